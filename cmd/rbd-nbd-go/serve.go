@@ -1,0 +1,124 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/backend"
+	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
+)
+
+type serveOpts struct {
+	socket, listen, name string
+	readOnly             bool
+	shutdownTimeout      time.Duration
+}
+
+func newServe() *cobra.Command {
+	var o serveOpts
+	cmd := &cobra.Command{
+		Use:   "serve [--socket PATH | --listen HOST:PORT] [--read-only] [--name EXPORT] SPEC",
+		Short: "Export a device (mem:SIZE or file:PATH) over NBD",
+		Long: `Export a device over NBD to userspace clients (nbdinfo, qemu, fio, nbd-client).
+
+SPEC is mem:SIZE (a sparse in-memory disk, e.g. mem:1G) or file:PATH (a
+regular file or block device). A unix socket is created mode 0600; TCP
+listens on 127.0.0.1 unless a host is given. Without --socket or --listen
+the server expects a socket-activation listener (LISTEN_FDS), as started
+by nbdinfo/nbdcopy "-- [ command ]". SIGINT/SIGTERM finish requests in
+flight, flush, and exit.`,
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return runServe(cmd.Context(), logger(cmd), o, args[0])
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&o.socket, "socket", "", "listen on this unix socket path")
+	f.StringVar(&o.listen, "listen", "", "listen on TCP HOST:PORT (PORT alone means 127.0.0.1)")
+	f.StringVar(&o.name, "name", "", "export name (empty is the default export)")
+	f.BoolVar(&o.readOnly, "read-only", false, "refuse writes")
+	f.DurationVar(&o.shutdownTimeout, "shutdown-timeout", 30*time.Second,
+		"how long to wait for requests in flight on shutdown")
+	cmd.MarkFlagsMutuallyExclusive("socket", "listen")
+	return cmd
+}
+
+func logger(cmd *cobra.Command) *slog.Logger {
+	var lvl slog.Level
+	s, _ := cmd.Flags().GetString("log-level")
+	if err := lvl.UnmarshalText([]byte(s)); err != nil {
+		lvl = slog.LevelInfo
+	}
+	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: lvl}))
+}
+
+func listen(o serveOpts) (net.Listener, string, error) {
+	switch {
+	case o.socket != "":
+		l, err := nbd.ListenUnix(o.socket)
+		return l, "unix:" + o.socket, err
+	case o.listen != "":
+		l, err := nbd.ListenTCP(o.listen)
+		if err != nil {
+			return nil, "", err
+		}
+		return l, "tcp:" + l.Addr().String(), nil
+	}
+	l, err := nbd.ActivationListener()
+	if err == nil && l == nil {
+		err = errors.New("one of --socket or --listen is required")
+	}
+	return l, "socket-activation", err
+}
+
+func runServe(ctx context.Context, log *slog.Logger, o serveOpts, spec string) error {
+	dev, err := backend.Open(spec, o.readOnly)
+	if err != nil {
+		return err
+	}
+	defer dev.Close()
+	srv := nbd.NewServer(nbd.Config{Logger: log})
+	if err := srv.AddExport(nbd.Export{Name: o.name, Description: dev.Describe,
+		Backend: dev.Backend, ReadOnly: o.readOnly}); err != nil {
+		return err
+	}
+	l, where, err := listen(o)
+	if err != nil {
+		return err
+	}
+	if ctx == nil {
+		ctx = context.Background()
+	}
+	ctx, stop := signal.NotifyContext(ctx, syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(l) }()
+	log.Info("serving", "spec", spec, "export", o.name, "on", where,
+		"size", dev.Backend.Size(), "read_only", o.readOnly)
+	select {
+	case err = <-errc:
+		return fmt.Errorf("serve: %w", err)
+	case <-ctx.Done():
+	}
+	stop() // a second signal kills us the default way
+	log.Info("shutting down")
+	sctx, cancel := context.WithTimeout(context.Background(), o.shutdownTimeout)
+	defer cancel()
+	serr := srv.Shutdown(sctx)
+	if err := nbd.Flush(dev.Backend); err != nil {
+		return fmt.Errorf("final flush: %w", err)
+	}
+	if serr != nil {
+		return fmt.Errorf("shutdown: %w", serr)
+	}
+	return nil
+}

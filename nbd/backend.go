@@ -1,0 +1,223 @@
+package nbd
+
+import (
+	"errors"
+	"syscall"
+)
+
+// Op is the operation a Request asks of a Backend. The values are the NBD
+// command numbers so that no translation table sits on the hot path.
+type Op uint16
+
+const (
+	OpRead        Op = cmdRead
+	OpWrite       Op = cmdWrite
+	OpFlush       Op = cmdFlush
+	OpTrim        Op = cmdTrim
+	OpCache       Op = cmdCache
+	OpWriteZeroes Op = cmdWriteZeroes
+	OpBlockStatus Op = cmdBlockStatus
+)
+
+func (o Op) String() string {
+	switch o {
+	case OpRead:
+		return "read"
+	case OpWrite:
+		return "write"
+	case OpFlush:
+		return "flush"
+	case OpTrim:
+		return "trim"
+	case OpCache:
+		return "cache"
+	case OpWriteZeroes:
+		return "write-zeroes"
+	case OpBlockStatus:
+		return "block-status"
+	}
+	return "unknown"
+}
+
+// ReqFlags modify a Request. Only flags the backend advertised a
+// capability for are ever set.
+type ReqFlags uint16
+
+const (
+	// ReqFUA: the write must be durable before the request completes.
+	ReqFUA ReqFlags = cmdFlagFUA
+	// ReqNoHole: WRITE_ZEROES must leave the range allocated.
+	ReqNoHole ReqFlags = cmdFlagNoHole
+	// ReqFastZero: fail WRITE_ZEROES with ErrNotSupported rather than
+	// fall back to something slower than writing would be.
+	ReqFastZero ReqFlags = cmdFlagFastZero
+	// ReqOne: BLOCK_STATUS needs only the first extent.
+	ReqOne ReqFlags = cmdFlagReqOne
+)
+
+// Caps is what a backend can do; the server advertises exactly these and
+// refuses commands outside them, so backends never see an op they lack.
+type Caps uint32
+
+const (
+	CapFlush       Caps = 1 << iota // durable flush
+	CapFUA                          // per-request FUA (native or emulated by the backend)
+	CapTrim                         // discard
+	CapZeroes                       // write-zeroes (honours ReqNoHole)
+	CapFastZero                     // write-zeroes can fail fast with ErrNotSupported
+	CapCache                        // prefetch hint
+	CapBlockStatus                  // allocation status (base:allocation)
+	CapMultiConn                    // one cache shared by every connection
+	CapReadOnly                     // refuses writes
+	CapRotational                   // seek-sensitive medium
+)
+
+// Extent is one run of base:allocation status returned by BLOCK_STATUS.
+type Extent struct {
+	Length uint32
+	Flags  uint32 // StateHole | StateZero
+}
+
+// Backend serves block I/O for one export. It is built for asynchronous
+// engines (librbd aio, io_uring): Submit hands a request over and returns
+// at once; the backend later calls r.Complete exactly once, from any
+// goroutine (or from within Submit). Until then the backend owns r and
+// r.Data; afterwards it must not touch either.
+//
+// One Backend instance is shared by every connection to its export, which
+// is what makes CAN_MULTI_CONN honest: a flush submitted on any connection
+// covers writes completed on all of them.
+type Backend interface {
+	Size() uint64
+	Caps() Caps
+	Submit(r *Request)
+}
+
+// Request is one I/O in flight. The server owns and recycles it; backends
+// read the public fields and fill Data (reads) or Extents (block status).
+type Request struct {
+	Op     Op
+	Flags  ReqFlags
+	Offset uint64
+	Length uint32
+	// Data holds Length bytes: the destination of a read, the source of a
+	// write; nil for other ops. Pooled memory, valid until Complete.
+	Data []byte
+	// Extents is appended to by BLOCK_STATUS; starts empty with capacity.
+	Extents []Extent
+	// Tag is free for the backend's own bookkeeping (an index into its
+	// completion table, say) so that it needs no map or allocation.
+	Tag uintptr
+
+	cookie uint64
+	cmd    uint16 // command as received (DISC and unknown ones never reach a backend)
+	cflags uint16 // command flags as received
+	err    error
+	owner  completer
+	buf    *[]byte
+	held   int // payload bytes reserved against the connection's budget
+	hdr    [32]byte // reply header scratch: never allocates per reply
+	ext    []byte   // encoded extents scratch
+}
+
+type completer interface{ complete(r *Request) }
+
+// Complete finishes the request with err (nil for success). Errors are
+// mapped to NBD error codes by ErrnoOf.
+func (r *Request) Complete(err error) {
+	r.err = err
+	r.owner.complete(r)
+}
+
+// Errno is an NBD protocol error code. Backends may return one directly;
+// any other error is mapped by ErrnoOf.
+type Errno uint32
+
+func (e Errno) Error() string {
+	switch e {
+	case errPerm:
+		return "operation not permitted"
+	case errIO:
+		return "input/output error"
+	case errNoMem:
+		return "cannot allocate memory"
+	case errInval:
+		return "invalid argument"
+	case errNoSpc:
+		return "no space left on device"
+	case errOverflow:
+		return "value too large"
+	case errNotSup:
+		return "operation not supported"
+	case errShutdown:
+		return "server is shutting down"
+	}
+	return "nbd error"
+}
+
+// The NBD error codes, for backends and tests.
+const (
+	ErrPerm         Errno = errPerm
+	ErrIO           Errno = errIO
+	ErrNoMem        Errno = errNoMem
+	ErrInvalid      Errno = errInval
+	ErrNoSpace      Errno = errNoSpc
+	ErrOverflow     Errno = errOverflow
+	ErrNotSupported Errno = errNotSup
+	ErrShutdown     Errno = errShutdown
+)
+
+// ErrnoOf maps an error to the NBD code a client sees. Anything unknown is
+// EIO: a client must learn that something failed even when we cannot say what.
+func ErrnoOf(err error) Errno {
+	if err == nil {
+		return 0
+	}
+	var e Errno
+	if errors.As(err, &e) {
+		return e
+	}
+	var se syscall.Errno
+	if errors.As(err, &se) {
+		switch se {
+		case syscall.EPERM, syscall.EACCES, syscall.EROFS:
+			return ErrPerm
+		case syscall.ENOMEM:
+			return ErrNoMem
+		case syscall.EINVAL:
+			return ErrInvalid
+		case syscall.ENOSPC, syscall.EDQUOT, syscall.EFBIG:
+			return ErrNoSpace
+		case syscall.EOVERFLOW:
+			return ErrOverflow
+		case syscall.EOPNOTSUPP:
+			return ErrNotSupported
+		case syscall.ESHUTDOWN:
+			return ErrShutdown
+		}
+	}
+	return ErrIO
+}
+
+// Do submits one request and waits for it: for control paths (final
+// flush on shutdown, tests), never for the data path.
+func Do(b Backend, r *Request) error {
+	w := &waiter{done: make(chan struct{})}
+	r.owner = w
+	b.Submit(r)
+	<-w.done
+	return r.err
+}
+
+type waiter struct{ done chan struct{} }
+
+func (w *waiter) complete(*Request) { close(w.done) }
+
+// Flush asks b to make every completed write durable; a no-op for
+// backends without CapFlush.
+func Flush(b Backend) error {
+	if b.Caps()&CapFlush == 0 {
+		return nil
+	}
+	return Do(b, &Request{Op: OpFlush})
+}

@@ -1,0 +1,329 @@
+package nbd
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"sync"
+)
+
+// conn is one connection in the transmission phase. Its goroutine reads
+// requests and submits them; backends complete them from anywhere; one
+// writer goroutine sends every reply that is ready in a single writev.
+// Under load the writer finds many replies per wake-up, so syscalls per
+// request fall as queue depth rises.
+//
+// Requests, their reply headers and payload buffers are recycled: the
+// steady state allocates nothing per request.
+type conn struct {
+	srv        *Server
+	nc         net.Conn
+	br         *bufio.Reader
+	exp        *Export
+	be         Backend
+	size       uint64
+	tflags     TransmissionFlags
+	structured bool
+	meta       bool
+
+	mu       sync.Mutex
+	cond     sync.Cond // signalled when requests return to free
+	free     []*Request
+	total    int
+	bytes    int // payload bytes held by requests in flight
+	maxBytes int
+	done     []*Request // completed, waiting for the writer
+	wake     chan struct{}
+	stop     chan struct{}
+	exited   chan struct{}
+
+	// writer-only state
+	batch []*Request
+	iov   [][]byte
+	nb    net.Buffers
+	werr  error
+
+	hdr [requestHeaderSize]byte
+}
+
+func newConn(s *Server, nc net.Conn, br *bufio.Reader, sess *session) *conn {
+	n := s.cfg.MaxInflight
+	c := &conn{
+		srv:        s,
+		nc:         nc,
+		br:         br,
+		exp:        sess.exp,
+		be:         sess.exp.Backend,
+		size:       sess.exp.Backend.Size(),
+		tflags:     sess.exp.Flags(sess.structured),
+		structured: sess.structured,
+		meta:       sess.meta,
+		total:      n,
+		maxBytes:   s.cfg.MaxInflightBytes,
+		free:       make([]*Request, n),
+		done:       make([]*Request, 0, n),
+		batch:      make([]*Request, 0, n),
+		iov:        make([][]byte, 0, 2*n),
+		wake:       make(chan struct{}, 1),
+		stop:       make(chan struct{}),
+		exited:     make(chan struct{}),
+	}
+	c.cond.L = &c.mu
+	reqs := make([]Request, n)
+	for i := range reqs {
+		reqs[i].owner = c
+		c.free[i] = &reqs[i]
+	}
+	return c
+}
+
+func (c *conn) serve() error {
+	go c.writer()
+	err := c.readLoop()
+	// Every request read must be answered before the socket closes.
+	c.mu.Lock()
+	for len(c.free) < c.total {
+		c.cond.Wait()
+	}
+	c.mu.Unlock()
+	close(c.stop)
+	<-c.exited
+	if errors.Is(err, os.ErrDeadlineExceeded) && c.srv.isClosing() {
+		err = nil // Shutdown interrupted the read on purpose
+	}
+	return err
+}
+
+// acquire takes a free request, waiting while too many are in flight or
+// their payloads exceed the byte budget (but never when nothing is in
+// flight, so a single large request always proceeds).
+func (c *conn) acquire(payload int) *Request {
+	c.mu.Lock()
+	for len(c.free) == 0 || (c.bytes > 0 && c.bytes+payload > c.maxBytes) {
+		c.cond.Wait()
+	}
+	r := c.free[len(c.free)-1]
+	c.free = c.free[:len(c.free)-1]
+	c.bytes += payload
+	c.mu.Unlock()
+	r.held = payload
+	return r
+}
+
+func (c *conn) readLoop() error {
+	for {
+		if _, err := io.ReadFull(c.br, c.hdr[:]); err != nil {
+			return err
+		}
+		h := c.hdr[:]
+		if m := be.Uint32(h[0:]); m != magicRequest {
+			// Framing is lost: nothing after this can be parsed.
+			return fmt.Errorf("%w: bad request magic %#x", errProtocol, m)
+		}
+		cflags, cmd := be.Uint16(h[4:]), be.Uint16(h[6:])
+		length := be.Uint32(h[24:])
+		if cmd == cmdDisc {
+			return nil
+		}
+		payload := 0
+		if (cmd == cmdRead || cmd == cmdWrite) && length <= MaxPayload {
+			payload = int(length)
+		}
+		r := c.acquire(payload)
+		r.cookie, r.cmd, r.cflags = be.Uint64(h[8:]), cmd, cflags
+		r.Offset, r.Length = be.Uint64(h[16:]), length
+		r.err, r.Extents, r.Data, r.Tag = nil, r.Extents[:0], nil, 0
+		if e := c.check(r); e != 0 {
+			if cmd == cmdWrite {
+				// The payload is on the wire whatever we think of it.
+				if _, err := io.CopyN(io.Discard, c.br, int64(length)); err != nil {
+					c.recycleOne(r)
+					return err
+				}
+			}
+			r.err = e
+			c.complete(r)
+			continue
+		}
+		if payload > 0 {
+			r.buf = c.srv.bufs.get(payload)
+			r.Data = *r.buf
+			if cmd == cmdWrite {
+				if _, err := io.ReadFull(c.br, r.Data); err != nil {
+					c.recycleOne(r)
+					return err
+				}
+			}
+		}
+		r.Op = Op(cmd)
+		r.Flags = c.backendFlags(cmd, cflags)
+		if length == 0 && cmd != cmdFlush {
+			c.complete(r) // nothing to do; a zero-length READ gets an empty reply
+			continue
+		}
+		c.be.Submit(r)
+	}
+}
+
+// check validates a request against the protocol and what was
+// advertised, returning the NBD error to reply with (0 if valid).
+func (c *conn) check(r *Request) Errno {
+	allowed := uint16(0)
+	if c.tflags&FlagSendFUA != 0 {
+		allowed |= cmdFlagFUA // clients set it on any command; harmless
+	}
+	var need TransmissionFlags
+	writes := false
+	switch r.cmd {
+	case cmdRead:
+		if c.tflags&FlagSendDF != 0 {
+			allowed |= cmdFlagDF
+		}
+	case cmdWrite:
+		writes = true
+	case cmdFlush:
+		need = FlagSendFlush
+	case cmdTrim:
+		need, writes = FlagSendTrim, true
+	case cmdWriteZeroes:
+		need, writes = FlagSendWriteZeroes, true
+		allowed |= cmdFlagNoHole
+		if c.tflags&FlagSendFastZero != 0 {
+			allowed |= cmdFlagFastZero
+		}
+	case cmdCache:
+		need = FlagSendCache
+	case cmdBlockStatus:
+		if !c.meta {
+			return ErrInvalid
+		}
+		allowed |= cmdFlagReqOne
+	default:
+		return ErrInvalid
+	}
+	if c.tflags&need != need || r.cflags&^allowed != 0 {
+		return ErrInvalid
+	}
+	if writes && c.tflags&FlagReadOnly != 0 {
+		return ErrPerm
+	}
+	if r.Length > MaxPayload {
+		switch r.cmd {
+		case cmdRead:
+			return ErrOverflow
+		case cmdWrite:
+			return ErrInvalid
+		}
+	}
+	if r.cmd == cmdFlush {
+		if r.Offset != 0 || r.Length != 0 {
+			return ErrInvalid
+		}
+		return 0
+	}
+	if r.Offset > c.size || uint64(r.Length) > c.size-r.Offset {
+		if r.cmd == cmdWrite || r.cmd == cmdWriteZeroes {
+			return ErrNoSpace
+		}
+		return ErrInvalid
+	}
+	if r.cmd == cmdBlockStatus && r.Length == 0 {
+		return ErrInvalid
+	}
+	return 0
+}
+
+// backendFlags passes on only the flags that mean something for the op.
+func (c *conn) backendFlags(cmd, cflags uint16) ReqFlags {
+	var mask uint16
+	switch cmd {
+	case cmdWrite, cmdTrim:
+		mask = cmdFlagFUA
+	case cmdWriteZeroes:
+		mask = cmdFlagFUA | cmdFlagNoHole | cmdFlagFastZero
+	case cmdBlockStatus:
+		mask = cmdFlagReqOne
+	}
+	return ReqFlags(cflags & mask)
+}
+
+// complete is called by backends (via Request.Complete) from any goroutine.
+func (c *conn) complete(r *Request) {
+	c.mu.Lock()
+	first := len(c.done) == 0
+	c.done = append(c.done, r)
+	c.mu.Unlock()
+	if first {
+		select {
+		case c.wake <- struct{}{}:
+		default:
+		}
+	}
+}
+
+func (c *conn) writer() {
+	defer close(c.exited)
+	for {
+		select {
+		case <-c.wake:
+		case <-c.stop:
+			return
+		}
+		c.mu.Lock()
+		c.batch, c.done = c.done, c.batch[:0]
+		c.mu.Unlock()
+		c.send(c.batch)
+		c.recycle(c.batch)
+	}
+}
+
+func (c *conn) send(batch []*Request) {
+	iov := c.iov[:0]
+	for _, r := range batch {
+		iov = c.appendReply(iov, r)
+	}
+	if c.werr == nil && len(iov) > 0 {
+		c.nb = iov
+		if _, err := c.nb.WriteTo(c.nc); err != nil {
+			// The client is gone. Keep recycling requests so the
+			// reader can drain; closing unblocks it.
+			c.werr = err
+			c.nc.Close()
+		}
+	}
+	clear(iov) // drop references to recycled buffers
+	c.iov = iov[:0]
+}
+
+func (c *conn) recycle(batch []*Request) {
+	for _, r := range batch {
+		c.release(r)
+	}
+	c.mu.Lock()
+	for _, r := range batch {
+		c.bytes -= r.held
+		c.free = append(c.free, r)
+	}
+	c.mu.Unlock()
+	c.cond.Signal()
+	clear(batch)
+}
+
+func (c *conn) recycleOne(r *Request) {
+	c.release(r)
+	c.mu.Lock()
+	c.bytes -= r.held
+	c.free = append(c.free, r)
+	c.mu.Unlock()
+}
+
+func (c *conn) release(r *Request) {
+	if r.buf != nil {
+		c.srv.bufs.put(r.buf)
+		r.buf, r.Data = nil, nil
+	}
+	r.Tag = 0
+}

@@ -1,0 +1,298 @@
+package nbd
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"sync"
+	"time"
+)
+
+// ErrServerClosed is returned by Serve and ServeConn after Shutdown.
+var ErrServerClosed = errors.New("nbd: server closed")
+
+// Export is one named device the server offers.
+type Export struct {
+	Name        string
+	Description string
+	Backend     Backend
+	ReadOnly    bool // refuse writes even if the backend accepts them
+}
+
+// Flags are the transmission flags for this export. DF is only valid once
+// structured replies are negotiated, hence the argument.
+func (e *Export) Flags(structured bool) TransmissionFlags {
+	c := e.Backend.Caps()
+	f := FlagHasFlags
+	if e.ReadOnly || c&CapReadOnly != 0 {
+		f |= FlagReadOnly
+	}
+	if c&CapFlush != 0 {
+		f |= FlagSendFlush
+	}
+	if c&CapFUA != 0 {
+		f |= FlagSendFUA
+	}
+	if c&CapRotational != 0 {
+		f |= FlagRotational
+	}
+	if c&CapTrim != 0 {
+		f |= FlagSendTrim
+	}
+	if c&CapZeroes != 0 {
+		f |= FlagSendWriteZeroes
+		if c&CapFastZero != 0 {
+			f |= FlagSendFastZero
+		}
+	}
+	if structured {
+		f |= FlagSendDF
+	}
+	if c&CapMultiConn != 0 {
+		f |= FlagCanMultiConn
+	}
+	if c&CapCache != 0 {
+		f |= FlagSendCache
+	}
+	return f
+}
+
+// Config tunes a Server. Zero values pick the defaults.
+type Config struct {
+	Logger *slog.Logger
+	// MaxInflight bounds requests read but not yet answered, per
+	// connection (default 128, the kernel's queue depth per socket).
+	MaxInflight int
+	// MaxInflightBytes bounds payload memory per connection (default
+	// 128 MiB); one request may always proceed.
+	MaxInflightBytes int
+	// HandshakeTimeout drops clients that stall during negotiation.
+	HandshakeTimeout time.Duration
+}
+
+// Server speaks NBD on any number of listeners and connections.
+type Server struct {
+	cfg  Config
+	log  *slog.Logger
+	bufs bufPool
+
+	mu        sync.Mutex
+	exports   map[string]*Export
+	order     []*Export
+	listeners map[net.Listener]struct{}
+	conns     map[net.Conn]struct{}
+	closing   bool
+	wg        sync.WaitGroup
+}
+
+// NewServer returns a server with no exports.
+func NewServer(cfg Config) *Server {
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	}
+	if cfg.MaxInflight <= 0 {
+		cfg.MaxInflight = 128
+	}
+	if cfg.MaxInflightBytes <= 0 {
+		cfg.MaxInflightBytes = 128 << 20
+	}
+	if cfg.HandshakeTimeout <= 0 {
+		cfg.HandshakeTimeout = 30 * time.Second
+	}
+	return &Server{
+		cfg:       cfg,
+		log:       cfg.Logger,
+		exports:   map[string]*Export{},
+		listeners: map[net.Listener]struct{}{},
+		conns:     map[net.Conn]struct{}{},
+	}
+}
+
+// AddExport offers e. The empty name is the default export.
+func (s *Server) AddExport(e Export) error {
+	if len(e.Name) > maxStringLen {
+		return fmt.Errorf("nbd: export name longer than %d bytes", maxStringLen)
+	}
+	if e.Backend == nil {
+		return errors.New("nbd: export has no backend")
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if _, dup := s.exports[e.Name]; dup {
+		return fmt.Errorf("nbd: export %q already exists", e.Name)
+	}
+	s.exports[e.Name] = &e
+	s.order = append(s.order, &e)
+	return nil
+}
+
+func (s *Server) export(name string) *Export {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.exports[name]
+}
+
+func (s *Server) exportList() []*Export {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]*Export(nil), s.order...)
+}
+
+func (s *Server) isClosing() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.closing
+}
+
+// Serve accepts connections on l until Shutdown.
+func (s *Server) Serve(l net.Listener) error {
+	s.mu.Lock()
+	if s.closing {
+		s.mu.Unlock()
+		l.Close()
+		return ErrServerClosed
+	}
+	s.listeners[l] = struct{}{}
+	s.mu.Unlock()
+	defer func() {
+		s.mu.Lock()
+		delete(s.listeners, l)
+		s.mu.Unlock()
+	}()
+	var backoff time.Duration
+	for {
+		nc, err := l.Accept()
+		if err != nil {
+			if s.isClosing() {
+				return ErrServerClosed
+			}
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() || errors.Is(err, os.ErrDeadlineExceeded) ||
+				isTemporaryAccept(err) {
+				backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+				s.log.Warn("accept failed, retrying", "err", err, "delay", backoff)
+				time.Sleep(backoff)
+				continue
+			}
+			return err
+		}
+		backoff = 0
+		go s.ServeConn(nc)
+	}
+}
+
+// ServeConn negotiates with a client on nc and serves it until it
+// disconnects. It closes nc.
+func (s *Server) ServeConn(nc net.Conn) error {
+	if !s.track(nc) {
+		nc.Close()
+		return ErrServerClosed
+	}
+	defer s.untrack(nc)
+	br := bufio.NewReaderSize(nc, 64<<10)
+	nc.SetDeadline(time.Now().Add(s.cfg.HandshakeTimeout))
+	sess, err := s.negotiate(br, nc)
+	if err != nil || sess == nil {
+		if err != nil && !errors.Is(err, io.EOF) {
+			s.log.Info("nbd handshake ended", "remote", remote(nc), "err", err)
+		}
+		return err
+	}
+	return s.transmit(nc, br, sess)
+}
+
+// ServeNegotiated serves nc, whose handshake happened out of band, with
+// the named export: the kernel's sockets are like this (it never
+// negotiates; the flags reach it through netlink). It closes nc.
+func (s *Server) ServeNegotiated(nc net.Conn, export string) error {
+	exp := s.export(export)
+	if exp == nil {
+		nc.Close()
+		return fmt.Errorf("nbd: no export %q", export)
+	}
+	if !s.track(nc) {
+		nc.Close()
+		return ErrServerClosed
+	}
+	defer s.untrack(nc)
+	return s.transmit(nc, bufio.NewReaderSize(nc, 64<<10), &session{exp: exp})
+}
+
+func (s *Server) transmit(nc net.Conn, br *bufio.Reader, sess *session) error {
+	s.mu.Lock()
+	if s.closing {
+		s.mu.Unlock()
+		return ErrServerClosed
+	}
+	nc.SetDeadline(time.Time{}) // under mu: Shutdown's deadline must win
+	s.mu.Unlock()
+	c := newConn(s, nc, br, sess)
+	s.log.Debug("nbd connection", "remote", remote(nc), "export", sess.exp.Name,
+		"structured", sess.structured, "flags", fmt.Sprintf("%#x", uint16(c.tflags)))
+	err := c.serve()
+	if err != nil && !errors.Is(err, io.EOF) && !s.isClosing() {
+		s.log.Info("nbd connection ended", "remote", remote(nc), "err", err)
+		return err
+	}
+	return nil
+}
+
+func (s *Server) track(nc net.Conn) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closing {
+		return false
+	}
+	s.conns[nc] = struct{}{}
+	s.wg.Add(1)
+	return true
+}
+
+func (s *Server) untrack(nc net.Conn) {
+	nc.Close()
+	s.mu.Lock()
+	delete(s.conns, nc)
+	s.mu.Unlock()
+	s.wg.Done()
+}
+
+// Shutdown stops accepting, stops reading new requests, lets requests in
+// flight finish and their replies go out, then closes every connection.
+// If ctx ends first, connections are closed at once. Backends are the
+// caller's to flush and close afterwards.
+func (s *Server) Shutdown(ctx context.Context) error {
+	s.mu.Lock()
+	s.closing = true
+	for l := range s.listeners {
+		l.Close()
+	}
+	for nc := range s.conns {
+		nc.SetReadDeadline(time.Now()) // wakes the reader; replies still flow
+	}
+	s.mu.Unlock()
+	done := make(chan struct{})
+	go func() { s.wg.Wait(); close(done) }()
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		s.mu.Lock()
+		for nc := range s.conns {
+			nc.Close()
+		}
+		s.mu.Unlock()
+		return ctx.Err()
+	}
+}
+
+func remote(nc net.Conn) string {
+	if a := nc.RemoteAddr(); a != nil && a.String() != "" {
+		return a.String()
+	}
+	return "local"
+}
