@@ -115,7 +115,7 @@ type Request struct {
 	err    error
 	owner  completer
 	buf    *[]byte
-	held   int // payload bytes reserved against the connection's budget
+	held   int      // payload bytes reserved against the connection's budget
 	hdr    [32]byte // reply header scratch: never allocates per reply
 	ext    []byte   // encoded extents scratch
 }
