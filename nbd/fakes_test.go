@@ -3,8 +3,8 @@ package nbd
 import (
 	"context"
 	"sync"
-	"time"
 	"testing"
+	"time"
 )
 
 // flatDev is a small, fully featured in-memory Device for tests in this
