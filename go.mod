@@ -3,8 +3,11 @@ module github.com/rbd-nbd-go/rbd-nbd-go
 go 1.26
 
 require (
+	github.com/spf13/cobra v1.8.1
+	golang.org/x/sys v0.30.0
+)
+
+require (
 	github.com/inconshreveable/mousetrap v1.1.0 // indirect
-	github.com/spf13/cobra v1.8.1 // indirect
 	github.com/spf13/pflag v1.0.5 // indirect
-	golang.org/x/sys v0.30.0 // indirect
 )

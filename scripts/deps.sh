@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs what the build, tests and benchmarks need, only when missing.
+# Safe to run repeatedly; needs root (or sudo) only when something is missing.
+set -euo pipefail
+
+pkgs=(
+  fio            # workload generator with the nbd ioengine (tests, bench)
+  libnbd-bin     # nbdinfo, nbdcopy, nbdsh
+  python3-libnbd # nbdsh's python binding
+  nbdkit         # peer server for the bench
+  qemu-utils     # qemu-io, qemu-img
+  ca-certificates
+)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "deps: installing ${missing[*]}"
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get update -qq
+  $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+export PATH="/usr/local/go/bin:$PATH"
+if ! command -v go >/dev/null; then
+  echo "deps: Go 1.26 is required (expected at /usr/local/go); Debian 12's golang package is too old" >&2
+  exit 1
+fi
+go mod download
