@@ -36,6 +36,12 @@ type conn struct {
 	bytes    int // payload bytes held by requests in flight
 	maxBytes int
 	done     []*Request // completed, waiting for the writer
+	// readerBusy: the reader is working through requests it already has
+	// and will kick the writer before it blocks, so completions need not
+	// wake it one by one. This is what turns a burst of requests into one
+	// writev. deferred counts reply payload held back that way.
+	readerBusy bool
+	deferred   int
 	wake     chan struct{}
 	stop     chan struct{}
 	exited   chan struct{}
@@ -84,6 +90,7 @@ func (c *conn) serve() error {
 	go c.writer()
 	err := c.readLoop()
 	// Every request read must be answered before the socket closes.
+	c.kick()
 	c.mu.Lock()
 	for len(c.free) < c.total {
 		c.cond.Wait()
@@ -103,8 +110,12 @@ func (c *conn) serve() error {
 func (c *conn) acquire(payload int) *Request {
 	c.mu.Lock()
 	for len(c.free) == 0 || (c.bytes > 0 && c.bytes+payload > c.maxBytes) {
+		// Only the writer returns requests: it must not be left asleep.
+		c.readerBusy = false
+		c.wakeLocked()
 		c.cond.Wait()
 	}
+	c.readerBusy = true
 	r := c.free[len(c.free)-1]
 	c.free = c.free[:len(c.free)-1]
 	c.bytes += payload
@@ -115,6 +126,9 @@ func (c *conn) acquire(payload int) *Request {
 
 func (c *conn) readLoop() error {
 	for {
+		if c.br.Buffered() < requestHeaderSize {
+			c.kick() // about to block in read: send what is ready
+		}
 		if _, err := io.ReadFull(c.br, c.hdr[:]); err != nil {
 			return err
 		}
@@ -250,17 +264,40 @@ func (c *conn) backendFlags(cmd, cflags uint16) ReqFlags {
 	return ReqFlags(cflags & mask)
 }
 
+// maxDeferred caps reply payload held back while the reader is busy, so
+// large reads still stream out while later ones are being served.
+const maxDeferred = 256 << 10
+
 // complete is called by backends (via Request.Complete) from any goroutine.
 func (c *conn) complete(r *Request) {
 	c.mu.Lock()
 	first := len(c.done) == 0
 	c.done = append(c.done, r)
+	if r.cmd == cmdRead {
+		c.deferred += len(r.Data)
+	}
+	if (first && !c.readerBusy) || c.deferred >= maxDeferred {
+		c.wakeLocked()
+	}
 	c.mu.Unlock()
-	if first {
-		select {
-		case c.wake <- struct{}{}:
-		default:
-		}
+}
+
+// kick marks the reader idle and wakes the writer if replies are waiting.
+func (c *conn) kick() {
+	c.mu.Lock()
+	c.readerBusy = false
+	c.wakeLocked()
+	c.mu.Unlock()
+}
+
+func (c *conn) wakeLocked() {
+	if len(c.done) == 0 {
+		return
+	}
+	c.deferred = 0
+	select {
+	case c.wake <- struct{}{}:
+	default:
 	}
 }
 

@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"runtime/pprof"
 	"syscall"
 	"time"
 
@@ -21,6 +22,7 @@ type serveOpts struct {
 	socket, listen, name string
 	readOnly             bool
 	shutdownTimeout      time.Duration
+	cpuProfile           string
 }
 
 func newServe() *cobra.Command {
@@ -48,6 +50,8 @@ flight, flush, and exit.`,
 	f.BoolVar(&o.readOnly, "read-only", false, "refuse writes")
 	f.DurationVar(&o.shutdownTimeout, "shutdown-timeout", 30*time.Second,
 		"how long to wait for requests in flight on shutdown")
+	f.StringVar(&o.cpuProfile, "cpu-profile", "", "write a Go CPU profile here until exit (development)")
+	f.MarkHidden("cpu-profile")
 	cmd.MarkFlagsMutuallyExclusive("socket", "listen")
 	return cmd
 }
@@ -97,6 +101,14 @@ func runServe(ctx context.Context, log *slog.Logger, o serveOpts, spec string) e
 	}
 	if ctx == nil {
 		ctx = context.Background()
+	}
+	if o.cpuProfile != "" {
+		f, err := os.Create(o.cpuProfile)
+		if err != nil {
+			return err
+		}
+		pprof.StartCPUProfile(f)
+		defer pprof.StopCPUProfile()
 	}
 	ctx, stop := signal.NotifyContext(ctx, syscall.SIGINT, syscall.SIGTERM)
 	defer stop()

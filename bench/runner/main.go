@@ -1,0 +1,271 @@
+// Command runner runs the fio job files in bench/jobs against several NBD
+// servers in one run, alternating their order each round so drift on a
+// noisy machine hits all of them alike, and reports IOPS, throughput, p99
+// latency and server CPU time per I/O, with ratios against a baseline.
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"log"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// server is one contender: argv gets the socket path and export size.
+type server struct {
+	Name string
+	argv func(sock, size string) []string
+}
+
+type sample struct {
+	Server     string  `json:"server"`
+	Job        string  `json:"job"`
+	Round      int     `json:"round"`
+	IOPS       float64 `json:"iops"`
+	MiBps      float64 `json:"mib_s"`
+	P99us      float64 `json:"p99_us"`
+	CPUusPerIO float64 `json:"server_cpu_us_per_io"`
+	IOs        int64   `json:"ios"`
+	CPUSec     float64 `json:"server_cpu_s"`
+}
+
+func main() {
+	bin := flag.String("bin", "bin/rbd-nbd-go", "rbd-nbd-go binary")
+	jobsDir := flag.String("jobs", "bench/jobs", "fio job files")
+	out := flag.String("out", "bench/results", "output directory")
+	runtime := flag.Int("runtime", envInt("BENCH_RUNTIME", 10), "seconds per job")
+	rounds := flag.Int("rounds", envInt("BENCH_ROUNDS", 2), "rounds (server order alternates)")
+	size := flag.String("size", "1G", "export size")
+	only := flag.String("only", os.Getenv("BENCH_JOBS"), "comma-separated job names (default all)")
+	flag.Parse()
+
+	servers := []server{
+		{"rbd-nbd-go", func(s, sz string) []string { return []string{*bin, "serve", "--socket", s, "mem:" + sz} }},
+		{"nbdkit-memory", func(s, sz string) []string { return []string{"nbdkit", "-f", "-U", s, "memory", sz} }},
+		{"nbdkit-null", func(s, sz string) []string { return []string{"nbdkit", "-f", "-U", s, "null", sz} }},
+	}
+	jobs, err := listJobs(*jobsDir, *only)
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := os.MkdirAll(*out, 0o755); err != nil {
+		log.Fatal(err)
+	}
+	tmp, err := os.MkdirTemp("", "nbd-bench-")
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer os.RemoveAll(tmp)
+
+	var samples []sample
+	for round := 1; round <= *rounds; round++ {
+		for _, job := range jobs {
+			order := slices.Clone(servers)
+			if round%2 == 0 {
+				slices.Reverse(order)
+			}
+			for _, srv := range order {
+				s, err := runOne(tmp, *jobsDir, job, srv, *size, *runtime)
+				if err != nil {
+					log.Fatalf("%s on %s: %v", job, srv.Name, err)
+				}
+				s.Round = round
+				log.Printf("round %d %-22s %-14s %9.0f IOPS %8.1f MiB/s p99 %7.0f µs cpu %6.2f µs/IO",
+					round, job, srv.Name, s.IOPS, s.MiBps, s.P99us, s.CPUusPerIO)
+				samples = append(samples, s)
+			}
+		}
+	}
+	rep := summarize(samples, jobs, servers, "nbdkit-memory", "rbd-nbd-go")
+	write := func(name string, b []byte) {
+		if err := os.WriteFile(filepath.Join(*out, name), b, 0o644); err != nil {
+			log.Fatal(err)
+		}
+	}
+	js, _ := json.MarshalIndent(map[string]any{"runtime_s": *runtime, "rounds": *rounds,
+		"size": *size, "samples": samples, "summary": rep}, "", "  ")
+	write("results.json", js)
+	md := markdown(rep, *runtime, *rounds)
+	write("results.md", []byte(md))
+	write("chart.svg", []byte(chart(rep)))
+	fmt.Print(md)
+}
+
+func envInt(k string, def int) int {
+	if v, err := strconv.Atoi(os.Getenv(k)); err == nil && v > 0 {
+		return v
+	}
+	return def
+}
+
+func listJobs(dir, only string) ([]string, error) {
+	files, err := filepath.Glob(filepath.Join(dir, "*.fio"))
+	if err != nil {
+		return nil, err
+	}
+	want := map[string]bool{}
+	for _, j := range strings.Split(only, ",") {
+		if j != "" {
+			want[j] = true
+		}
+	}
+	var jobs []string
+	for _, f := range files {
+		name := strings.TrimSuffix(filepath.Base(f), ".fio")
+		if name != "prefill" && (len(want) == 0 || want[name]) {
+			jobs = append(jobs, name)
+		}
+	}
+	// Stable, readable order: by block size, then queue depth.
+	order := []string{"randread-4k-qd1", "randread-4k-qd32", "randread-4k-qd32-nj2",
+		"randwrite-4k-qd32", "read-1m-qd8", "write-1m-qd8"}
+	slices.SortFunc(jobs, func(a, b string) int {
+		ia, ib := slices.Index(order, a), slices.Index(order, b)
+		if ia < 0 || ib < 0 {
+			return strings.Compare(a, b)
+		}
+		return ia - ib
+	})
+	if len(jobs) == 0 {
+		return nil, fmt.Errorf("no jobs in %s match %q", dir, only)
+	}
+	return jobs, nil
+}
+
+// runOne starts srv, prefills for read jobs, runs the job, and reads the
+// server's CPU time from /proc around the job only.
+func runOne(tmp, jobsDir, job string, srv server, size string, runtime int) (sample, error) {
+	sock := filepath.Join(tmp, srv.Name+".sock")
+	os.Remove(sock)
+	argv := srv.argv(sock, size)
+	cmd := exec.Command(argv[0], argv[1:]...)
+	var serr bytes.Buffer
+	cmd.Stderr = &serr
+	if err := cmd.Start(); err != nil {
+		return sample{}, err
+	}
+	defer func() {
+		cmd.Process.Signal(syscall.SIGTERM)
+		done := make(chan struct{})
+		go func() { cmd.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(20 * time.Second):
+			cmd.Process.Kill()
+			<-done
+		}
+	}()
+	if err := waitSocket(sock); err != nil {
+		return sample{}, fmt.Errorf("%v: %s", err, serr.String())
+	}
+	env := append(os.Environ(), "URI=nbd+unix:///?socket="+sock, "SIZE="+size, "RUNTIME="+strconv.Itoa(runtime))
+	if strings.Contains(job, "read") {
+		if _, err := fio(env, filepath.Join(jobsDir, "prefill.fio"), runtime*20); err != nil {
+			return sample{}, fmt.Errorf("prefill: %w", err)
+		}
+	}
+	cpu0, err := cpuSeconds(cmd.Process.Pid)
+	if err != nil {
+		return sample{}, err
+	}
+	res, err := fio(env, filepath.Join(jobsDir, job+".fio"), runtime*5+60)
+	if err != nil {
+		return sample{}, err
+	}
+	cpu1, err := cpuSeconds(cmd.Process.Pid)
+	if err != nil {
+		return sample{}, err
+	}
+	s := sample{Server: srv.Name, Job: job, CPUSec: cpu1 - cpu0}
+	for _, j := range res.Jobs {
+		for _, d := range []fioDir{j.Read, j.Write} {
+			s.IOPS += d.IOPS
+			s.MiBps += float64(d.BWBytes) / (1 << 20)
+			s.IOs += d.TotalIOs
+			s.P99us = max(s.P99us, d.ClatNs.Percentile["99.000000"]/1000)
+		}
+	}
+	if s.IOs > 0 {
+		s.CPUusPerIO = s.CPUSec * 1e6 / float64(s.IOs)
+	}
+	return s, nil
+}
+
+func waitSocket(sock string) error {
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		if c, err := net.Dial("unix", sock); err == nil {
+			c.Close()
+			return nil
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return fmt.Errorf("server did not listen on %s", sock)
+}
+
+type fioDir struct {
+	IOPS     float64 `json:"iops"`
+	BWBytes  int64   `json:"bw_bytes"`
+	TotalIOs int64   `json:"total_ios"`
+	ClatNs   struct {
+		Percentile map[string]float64 `json:"percentile"`
+	} `json:"clat_ns"`
+}
+
+type fioResult struct {
+	Jobs []struct {
+		Error int    `json:"error"`
+		Read  fioDir `json:"read"`
+		Write fioDir `json:"write"`
+	} `json:"jobs"`
+}
+
+func fio(env []string, jobfile string, timeout int) (*fioResult, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(timeout)*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, "fio", "--output-format=json", jobfile)
+	cmd.Env = env
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	if err := cmd.Run(); err != nil {
+		return nil, fmt.Errorf("fio %s: %v: %s", filepath.Base(jobfile), err, errb.String())
+	}
+	b := out.Bytes()
+	if i := bytes.IndexByte(b, '{'); i > 0 {
+		b = b[i:] // the nbd engine prints a line before the JSON
+	}
+	var r fioResult
+	if err := json.Unmarshal(b, &r); err != nil {
+		return nil, fmt.Errorf("fio json: %w", err)
+	}
+	for _, j := range r.Jobs {
+		if j.Error != 0 {
+			return nil, fmt.Errorf("fio job error %d", j.Error)
+		}
+	}
+	return &r, nil
+}
+
+// cpuSeconds is utime+stime of pid (all its threads) from /proc/PID/stat.
+func cpuSeconds(pid int) (float64, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, err
+	}
+	// Fields after the parenthesised command name; utime, stime are 14, 15.
+	f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+2:]))
+	ut, _ := strconv.ParseFloat(f[11], 64)
+	st, _ := strconv.ParseFloat(f[12], 64)
+	return (ut + st) / 100, nil // USER_HZ is 100 on Linux
+}

@@ -1,0 +1,159 @@
+package main
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+)
+
+// cell is the median over rounds of one server on one job.
+type cell struct {
+	IOPS, MiBps, P99us, CPUusPerIO float64
+}
+
+type jobSummary struct {
+	Job     string          `json:"job"`
+	Servers map[string]cell `json:"servers"`
+	// Ratios of the subject to the baseline: IOPS (higher is better) and
+	// server CPU per I/O (lower is better).
+	IOPSRatio float64 `json:"iops_ratio"`
+	CPURatio  float64 `json:"cpu_per_io_ratio"`
+}
+
+type report struct {
+	Baseline string       `json:"baseline"`
+	Subject  string       `json:"subject"`
+	Servers  []string     `json:"servers"`
+	Jobs     []jobSummary `json:"jobs"`
+}
+
+func median(v []float64) float64 {
+	if len(v) == 0 {
+		return 0
+	}
+	s := slices.Clone(v)
+	slices.Sort(s)
+	if n := len(s); n%2 == 1 {
+		return s[n/2]
+	} else {
+		return (s[n/2-1] + s[n/2]) / 2
+	}
+}
+
+func summarize(samples []sample, jobs []string, servers []server, baseline, subject string) report {
+	r := report{Baseline: baseline, Subject: subject}
+	for _, s := range servers {
+		r.Servers = append(r.Servers, s.Name)
+	}
+	for _, job := range jobs {
+		js := jobSummary{Job: job, Servers: map[string]cell{}}
+		for _, srv := range r.Servers {
+			var iops, mib, p99, cpu []float64
+			for _, s := range samples {
+				if s.Job == job && s.Server == srv {
+					iops, mib = append(iops, s.IOPS), append(mib, s.MiBps)
+					p99, cpu = append(p99, s.P99us), append(cpu, s.CPUusPerIO)
+				}
+			}
+			js.Servers[srv] = cell{median(iops), median(mib), median(p99), median(cpu)}
+		}
+		b, s := js.Servers[baseline], js.Servers[subject]
+		if b.IOPS > 0 {
+			js.IOPSRatio = s.IOPS / b.IOPS
+		}
+		if b.CPUusPerIO > 0 {
+			js.CPURatio = s.CPUusPerIO / b.CPUusPerIO
+		}
+		r.Jobs = append(r.Jobs, js)
+	}
+	return r
+}
+
+// targets from the issue: IOPS ≥ 1.0× nbdkit memory at 4k QD32 and 1M QD8,
+// server CPU per I/O ≤ 0.7× nbdkit's.
+var targetJobs = []string{"randread-4k-qd32", "randwrite-4k-qd32", "read-1m-qd8", "write-1m-qd8"}
+
+func markdown(r report, runtime, rounds int) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "# NBD server benchmark\n\nfio `nbd` engine over a unix socket, 1 GiB export, %d s per job, "+
+		"median of %d rounds (server order alternating). Ratios: %s ÷ %s.\n\n", runtime, rounds, r.Subject, r.Baseline)
+	b.WriteString("| job | server | IOPS | MiB/s | p99 µs | server CPU µs/IO |\n|---|---|---:|---:|---:|---:|\n")
+	for _, j := range r.Jobs {
+		for _, srv := range r.Servers {
+			c := j.Servers[srv]
+			fmt.Fprintf(&b, "| %s | %s | %.0f | %.1f | %.0f | %.2f |\n", j.Job, srv, c.IOPS, c.MiBps, c.P99us, c.CPUusPerIO)
+		}
+	}
+	b.WriteString("\n## Ratios and targets\n\n| job | IOPS ratio | CPU/IO ratio | target |\n|---|---:|---:|---|\n")
+	for _, j := range r.Jobs {
+		verdict := "—"
+		if slices.Contains(targetJobs, j.Job) {
+			ok := j.IOPSRatio >= 1.0 && j.CPURatio <= 0.7
+			verdict = map[bool]string{true: "met (IOPS ≥ 1.0×, CPU ≤ 0.7×)", false: "MISSED (IOPS ≥ 1.0×, CPU ≤ 0.7×)"}[ok]
+		}
+		fmt.Fprintf(&b, "| %s | %.2f× | %.2f× | %s |\n", j.Job, j.IOPSRatio, j.CPURatio, verdict)
+	}
+	return b.String()
+}
+
+// chart draws two panels of grouped bars: IOPS and server CPU per I/O,
+// each normalised to the baseline (the dashed line at 1.0).
+func chart(r report) string {
+	const (
+		w, panelH, top, left, barW, gap = 900, 260, 40, 60, 22, 30
+	)
+	colors := []string{"#2b6cb0", "#dd6b20", "#718096", "#38a169"}
+	groupW := len(r.Servers)*barW + gap
+	var b strings.Builder
+	h := 2*panelH + 3*top + 40
+	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="11">`+"\n", w, h)
+	b.WriteString(`<rect width="100%" height="100%" fill="white"/>` + "\n")
+	panels := []struct {
+		title string
+		val   func(cell) float64
+	}{
+		{"IOPS relative to " + r.Baseline + " (higher is better)", func(c cell) float64 { return c.IOPS }},
+		{"Server CPU per I/O relative to " + r.Baseline + " (lower is better)", func(c cell) float64 { return c.CPUusPerIO }},
+	}
+	for p, panel := range panels {
+		y0 := top + p*(panelH+top+20)
+		maxV := 1.5
+		for _, j := range r.Jobs {
+			base := panel.val(j.Servers[r.Baseline])
+			for _, s := range r.Servers {
+				if base > 0 {
+					maxV = max(maxV, panel.val(j.Servers[s])/base*1.1)
+				}
+			}
+		}
+		scale := float64(panelH) / maxV
+		fmt.Fprintf(&b, `<text x="%d" y="%d" font-size="13" font-weight="bold">%s</text>`+"\n", left, y0-10, panel.title)
+		fmt.Fprintf(&b, `<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="black"/>`+"\n", left, y0+panelH, w-20, y0+panelH)
+		oneY := float64(y0+panelH) - scale
+		fmt.Fprintf(&b, `<line x1="%d" y1="%.1f" x2="%d" y2="%.1f" stroke="#444" stroke-dasharray="4 3"/>`+"\n", left, oneY, w-20, oneY)
+		fmt.Fprintf(&b, `<text x="%d" y="%.1f" text-anchor="end">1.0×</text>`+"\n", left-5, oneY+4)
+		for i, j := range r.Jobs {
+			x := left + 10 + i*groupW
+			base := panel.val(j.Servers[r.Baseline])
+			for k, s := range r.Servers {
+				v := 0.0
+				if base > 0 {
+					v = panel.val(j.Servers[s]) / base
+				}
+				bh := v * scale
+				fmt.Fprintf(&b, `<rect x="%d" y="%.1f" width="%d" height="%.1f" fill="%s"><title>%s %s: %.2f×</title></rect>`+"\n",
+					x+k*barW, float64(y0+panelH)-bh, barW-2, bh, colors[k%len(colors)], s, j.Job, v)
+				fmt.Fprintf(&b, `<text x="%d" y="%.1f" font-size="9" text-anchor="middle">%.2f</text>`+"\n",
+					x+k*barW+barW/2, float64(y0+panelH)-bh-3, v)
+			}
+			fmt.Fprintf(&b, `<text x="%d" y="%d" text-anchor="middle">%s</text>`+"\n", x+len(r.Servers)*barW/2, y0+panelH+14, j.Job)
+		}
+	}
+	ly := h - 20
+	for k, s := range r.Servers {
+		fmt.Fprintf(&b, `<rect x="%d" y="%d" width="12" height="12" fill="%s"/><text x="%d" y="%d">%s</text>`+"\n",
+			left+k*160, ly-10, colors[k%len(colors)], left+k*160+16, ly, s)
+	}
+	b.WriteString("</svg>\n")
+	return b.String()
+}
