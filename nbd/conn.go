@@ -42,9 +42,9 @@ type conn struct {
 	// writev. deferred counts reply payload held back that way.
 	readerBusy bool
 	deferred   int
-	wake     chan struct{}
-	stop     chan struct{}
-	exited   chan struct{}
+	wake       chan struct{}
+	stop       chan struct{}
+	exited     chan struct{}
 
 	// writer-only state
 	batch []*Request
