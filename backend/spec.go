@@ -42,7 +42,10 @@ func Open(spec string, readOnly bool) (*Opened, error) {
 		if err != nil {
 			return nil, fmt.Errorf("bad spec %q: %w", spec, err)
 		}
-		return &Opened{Backend: nbd.Inline(mem.New(size, readOnly)), Describe: "memory " + arg}, nil
+		// Copies under 128 KiB run inline; larger ones on two workers,
+		// so a 1 MiB write's copy overlaps reading the next payload.
+		p := nbd.NewHybrid(mem.New(size, readOnly), 2, 128<<10)
+		return &Opened{Backend: p, Describe: "memory " + arg, close: p.Close}, nil
 	case "file":
 		d, err := filedev.Open(arg, readOnly)
 		if err != nil {

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"os"
 	"sync"
 )
@@ -20,7 +19,7 @@ import (
 // steady state allocates nothing per request.
 type conn struct {
 	srv        *Server
-	nc         net.Conn
+	w          *wire
 	br         *bufio.Reader
 	exp        *Export
 	be         Backend
@@ -46,20 +45,21 @@ type conn struct {
 	stop       chan struct{}
 	exited     chan struct{}
 
-	// writer-only state
-	batch []*Request
-	iov   [][]byte
-	nb    net.Buffers
-	werr  error
+	// writing: one goroutine (reader or writer) holds the send token;
+	// only it touches the send state below. handoff: the reader passed
+	// the token, with a half-sent batch, to the writer goroutine.
+	writing bool
+	handoff bool
+	send    sendState
 
 	hdr [requestHeaderSize]byte
 }
 
-func newConn(s *Server, nc net.Conn, br *bufio.Reader, sess *session) *conn {
+func newConn(s *Server, w *wire, br *bufio.Reader, sess *session) *conn {
 	n := s.cfg.MaxInflight
 	c := &conn{
 		srv:        s,
-		nc:         nc,
+		w:          w,
 		br:         br,
 		exp:        sess.exp,
 		be:         sess.exp.Backend,
@@ -71,13 +71,12 @@ func newConn(s *Server, nc net.Conn, br *bufio.Reader, sess *session) *conn {
 		maxBytes:   s.cfg.MaxInflightBytes,
 		free:       make([]*Request, n),
 		done:       make([]*Request, 0, n),
-		batch:      make([]*Request, 0, n),
-		iov:        make([][]byte, 0, 2*n),
 		wake:       make(chan struct{}, 1),
 		stop:       make(chan struct{}),
 		exited:     make(chan struct{}),
 	}
 	c.cond.L = &c.mu
+	c.send.init(w, n)
 	reqs := make([]Request, n)
 	for i := range reqs {
 		reqs[i].owner = c
@@ -110,9 +109,11 @@ func (c *conn) serve() error {
 func (c *conn) acquire(payload int) *Request {
 	c.mu.Lock()
 	for len(c.free) == 0 || (c.bytes > 0 && c.bytes+payload > c.maxBytes) {
-		// Only the writer returns requests: it must not be left asleep.
+		// Only the token holder returns requests: make sure there is one.
 		c.readerBusy = false
-		c.wakeLocked()
+		if !c.writing {
+			c.signal()
+		}
 		c.cond.Wait()
 	}
 	c.readerBusy = true
@@ -264,80 +265,9 @@ func (c *conn) backendFlags(cmd, cflags uint16) ReqFlags {
 	return ReqFlags(cflags & mask)
 }
 
-// maxDeferred caps reply payload held back while the reader is busy, so
-// large reads still stream out while later ones are being served.
-const maxDeferred = 256 << 10
-
-// complete is called by backends (via Request.Complete) from any goroutine.
-func (c *conn) complete(r *Request) {
-	c.mu.Lock()
-	first := len(c.done) == 0
-	c.done = append(c.done, r)
-	if r.cmd == cmdRead {
-		c.deferred += len(r.Data)
-	}
-	if (first && !c.readerBusy) || c.deferred >= maxDeferred {
-		c.wakeLocked()
-	}
-	c.mu.Unlock()
-}
-
-// kick marks the reader idle and wakes the writer if replies are waiting.
-func (c *conn) kick() {
-	c.mu.Lock()
-	c.readerBusy = false
-	c.wakeLocked()
-	c.mu.Unlock()
-}
-
-func (c *conn) wakeLocked() {
-	if len(c.done) == 0 {
-		return
-	}
-	c.deferred = 0
-	select {
-	case c.wake <- struct{}{}:
-	default:
-	}
-}
-
-func (c *conn) writer() {
-	defer close(c.exited)
-	for {
-		select {
-		case <-c.wake:
-		case <-c.stop:
-			return
-		}
-		c.mu.Lock()
-		c.batch, c.done = c.done, c.batch[:0]
-		c.mu.Unlock()
-		c.send(c.batch)
-		c.recycle(c.batch)
-	}
-}
-
-func (c *conn) send(batch []*Request) {
-	iov := c.iov[:0]
-	for _, r := range batch {
-		iov = c.appendReply(iov, r)
-	}
-	if c.werr == nil && len(iov) > 0 {
-		c.nb = iov
-		if _, err := c.nb.WriteTo(c.nc); err != nil {
-			// The client is gone. Keep recycling requests so the
-			// reader can drain; closing unblocks it.
-			c.werr = err
-			c.nc.Close()
-		}
-	}
-	clear(iov) // drop references to recycled buffers
-	c.iov = iov[:0]
-}
-
 func (c *conn) recycle(batch []*Request) {
 	for _, r := range batch {
-		c.release(r)
+		c.releaseBuf(r)
 	}
 	c.mu.Lock()
 	for _, r := range batch {
@@ -350,14 +280,14 @@ func (c *conn) recycle(batch []*Request) {
 }
 
 func (c *conn) recycleOne(r *Request) {
-	c.release(r)
+	c.releaseBuf(r)
 	c.mu.Lock()
 	c.bytes -= r.held
 	c.free = append(c.free, r)
 	c.mu.Unlock()
 }
 
-func (c *conn) release(r *Request) {
+func (c *conn) releaseBuf(r *Request) {
 	if r.buf != nil {
 		c.srv.bufs.put(r.buf)
 		r.buf, r.Data = nil, nil

@@ -185,17 +185,25 @@ func (b *inline) Submit(r *Request) { b.run(r) }
 // reader and the number of threads stuck in syscalls stays bounded.
 type Pool struct {
 	syncBackend
-	ch   chan *Request
-	wg   sync.WaitGroup
-	once sync.Once
+	ch          chan *Request
+	wg          sync.WaitGroup
+	once        sync.Once
+	inlineBelow uint32
 }
 
 // NewPool starts workers goroutines serving dev. Close stops them.
-func NewPool(dev Device, workers int) *Pool {
+func NewPool(dev Device, workers int) *Pool { return NewHybrid(dev, workers, 0) }
+
+// NewHybrid is a Pool that runs requests shorter than inlineBelow bytes
+// on the submitting goroutine. For a device that never blocks (memory) a
+// small copy is cheaper than a hand-off, while a large one is better done
+// beside the connection's reader, which meanwhile takes in the next
+// payload from the socket.
+func NewHybrid(dev Device, workers int, inlineBelow uint32) *Pool {
 	if workers < 1 {
 		workers = 1
 	}
-	p := &Pool{syncBackend: newSync(dev), ch: make(chan *Request, 4*workers)}
+	p := &Pool{syncBackend: newSync(dev), ch: make(chan *Request, 4*workers), inlineBelow: inlineBelow}
 	p.wg.Add(workers)
 	for range workers {
 		go p.work()
@@ -212,7 +220,13 @@ func (p *Pool) work() {
 
 // Submit queues r; it blocks only when every worker is busy and the queue
 // is full, which is the back-pressure we want on the reader.
-func (p *Pool) Submit(r *Request) { p.ch <- r }
+func (p *Pool) Submit(r *Request) {
+	if r.Length < p.inlineBelow {
+		p.run(r)
+		return
+	}
+	p.ch <- r
+}
 
 // Close waits for queued requests to finish and stops the workers. No
 // Submit may follow.

@@ -88,7 +88,7 @@ func FuzzTransmission(f *testing.F) {
 		exp := Export{Backend: Inline(newFlat(65536)), ReadOnly: mode&4 != 0}
 		s.AddExport(exp)
 		nc := &streamConn{r: bytes.NewReader(data)}
-		c := newConn(s, nc, bufio.NewReader(nc), &session{
+		c := newConn(s, newWire(nc), bufio.NewReader(nc), &session{
 			exp: s.export(""), structured: mode&1 != 0, meta: mode&2 != 0})
 		c.serve()
 		if len(c.free) != c.total || c.bytes != 0 {

@@ -85,7 +85,7 @@ type Server struct {
 	exports   map[string]*Export
 	order     []*Export
 	listeners map[net.Listener]struct{}
-	conns     map[net.Conn]struct{}
+	conns     map[*wire]struct{}
 	closing   bool
 	wg        sync.WaitGroup
 }
@@ -109,7 +109,7 @@ func NewServer(cfg Config) *Server {
 		log:       cfg.Logger,
 		exports:   map[string]*Export{},
 		listeners: map[net.Listener]struct{}{},
-		conns:     map[net.Conn]struct{}{},
+		conns:     map[*wire]struct{}{},
 	}
 }
 
@@ -189,11 +189,12 @@ func (s *Server) Serve(l net.Listener) error {
 // ServeConn negotiates with a client on nc and serves it until it
 // disconnects. It closes nc.
 func (s *Server) ServeConn(nc net.Conn) error {
-	if !s.track(nc) {
+	w := newWire(nc)
+	if !s.track(w) {
 		nc.Close()
 		return ErrServerClosed
 	}
-	defer s.untrack(nc)
+	defer s.untrack(w)
 	br := bufio.NewReaderSize(nc, 64<<10)
 	nc.SetDeadline(time.Now().Add(s.cfg.HandshakeTimeout))
 	sess, err := s.negotiate(br, nc)
@@ -203,7 +204,7 @@ func (s *Server) ServeConn(nc net.Conn) error {
 		}
 		return err
 	}
-	return s.transmit(nc, br, sess)
+	return s.transmit(w, br, sess)
 }
 
 // ServeNegotiated serves nc, whose handshake happened out of band, with
@@ -215,23 +216,29 @@ func (s *Server) ServeNegotiated(nc net.Conn, export string) error {
 		nc.Close()
 		return fmt.Errorf("nbd: no export %q", export)
 	}
-	if !s.track(nc) {
+	w := newWire(nc)
+	if !s.track(w) {
 		nc.Close()
 		return ErrServerClosed
 	}
-	defer s.untrack(nc)
-	return s.transmit(nc, bufio.NewReaderSize(nc, 64<<10), &session{exp: exp})
+	defer s.untrack(w)
+	return s.transmit(w, bufio.NewReader(eofReader{}), &session{exp: exp})
 }
 
-func (s *Server) transmit(nc net.Conn, br *bufio.Reader, sess *session) error {
+type eofReader struct{}
+
+func (eofReader) Read([]byte) (int, error) { return 0, io.EOF }
+
+func (s *Server) transmit(w *wire, br *bufio.Reader, sess *session) error {
+	nc := w.nc
 	s.mu.Lock()
-	if s.closing {
+	if s.closing { // under mu: Shutdown must see the wire it interrupts
 		s.mu.Unlock()
 		return ErrServerClosed
 	}
-	nc.SetDeadline(time.Time{}) // under mu: Shutdown's deadline must win
+	r := w.detach(br)
 	s.mu.Unlock()
-	c := newConn(s, nc, br, sess)
+	c := newConn(s, w, bufio.NewReaderSize(r, 64<<10), sess)
 	s.log.Debug("nbd connection", "remote", remote(nc), "export", sess.exp.Name,
 		"structured", sess.structured, "flags", fmt.Sprintf("%#x", uint16(c.tflags)))
 	err := c.serve()
@@ -242,21 +249,21 @@ func (s *Server) transmit(nc net.Conn, br *bufio.Reader, sess *session) error {
 	return nil
 }
 
-func (s *Server) track(nc net.Conn) bool {
+func (s *Server) track(w *wire) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closing {
 		return false
 	}
-	s.conns[nc] = struct{}{}
+	s.conns[w] = struct{}{}
 	s.wg.Add(1)
 	return true
 }
 
-func (s *Server) untrack(nc net.Conn) {
-	nc.Close()
+func (s *Server) untrack(w *wire) {
 	s.mu.Lock()
-	delete(s.conns, nc)
+	delete(s.conns, w)
+	w.close()
 	s.mu.Unlock()
 	s.wg.Done()
 }
@@ -271,8 +278,8 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	for l := range s.listeners {
 		l.Close()
 	}
-	for nc := range s.conns {
-		nc.SetReadDeadline(time.Now()) // wakes the reader; replies still flow
+	for w := range s.conns {
+		w.stopReading() // wakes the reader; replies still flow
 	}
 	s.mu.Unlock()
 	done := make(chan struct{})
@@ -282,8 +289,8 @@ func (s *Server) Shutdown(ctx context.Context) error {
 		return nil
 	case <-ctx.Done():
 		s.mu.Lock()
-		for nc := range s.conns {
-			nc.Close()
+		for w := range s.conns {
+			w.abort()
 		}
 		s.mu.Unlock()
 		return ctx.Err()

@@ -1,0 +1,230 @@
+package nbd
+
+import (
+	"net"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// Sending replies. Whoever holds the send token (conn.writing) encodes the
+// ready replies and writes them in one vectored call. The reader, just
+// before it would block in read, tries a non-blocking sendmsg itself: for
+// a backend that completes inline (memory) a burst of requests then costs
+// one read and one send and no goroutine hand-off at all. If the socket
+// is full, the rest goes to the writer goroutine, which may block: the
+// reader must keep reading, or a client that writes before it reads would
+// deadlock against us.
+
+// maxDeferred caps reply payload held back while the reader is busy, so
+// large reads still stream out while later ones are being served.
+const maxDeferred = 256 << 10
+
+const iovMax = 1024 // IOV_MAX on Linux
+
+type sendState struct {
+	w      *wire
+	batch  []*Request
+	iov    [][]byte
+	nb     net.Buffers
+	iovecs []unix.Iovec
+	msg    unix.Msghdr
+	err    error // the connection is dead for writing
+}
+
+func (s *sendState) init(w *wire, n int) {
+	s.w = w
+	s.batch = make([]*Request, 0, n)
+	s.iov = make([][]byte, 0, 2*n)
+	s.iovecs = make([]unix.Iovec, iovMax)
+}
+
+// sendmsg sends as much of s.nb as one call takes and consumes it.
+// Blocking unless dontWait; EAGAIN is returned as is.
+func (s *sendState) sendmsg(dontWait bool) error {
+	n := min(len(s.nb), iovMax)
+	for i, b := range s.nb[:n] {
+		s.iovecs[i].Base = &b[0]
+		s.iovecs[i].SetLen(len(b))
+	}
+	s.msg.Iov = &s.iovecs[0]
+	s.msg.SetIovlen(n)
+	flags := uintptr(unix.MSG_NOSIGNAL)
+	if dontWait {
+		flags |= unix.MSG_DONTWAIT
+	}
+	for {
+		sent, _, e := unix.Syscall(unix.SYS_SENDMSG, uintptr(s.w.fd), uintptr(unsafe.Pointer(&s.msg)), flags)
+		if e == unix.EINTR {
+			continue
+		}
+		if e != 0 {
+			return e
+		}
+		consume(&s.nb, int(sent))
+		return nil
+	}
+}
+
+// complete is called by backends (via Request.Complete) from any goroutine.
+func (c *conn) complete(r *Request) {
+	c.mu.Lock()
+	first := len(c.done) == 0
+	c.done = append(c.done, r)
+	if r.cmd == cmdRead {
+		c.deferred += len(r.Data)
+	}
+	if !c.writing && ((first && !c.readerBusy) || c.deferred >= maxDeferred) {
+		c.signal()
+	}
+	c.mu.Unlock()
+}
+
+// signal wakes the writer goroutine (c.mu held).
+func (c *conn) signal() {
+	c.deferred = 0
+	select {
+	case c.wake <- struct{}{}:
+	default:
+	}
+}
+
+// grab takes the send token and the ready replies (c.mu held).
+func (c *conn) grab() bool {
+	if c.writing || len(c.done) == 0 {
+		return false
+	}
+	c.writing = true
+	c.send.batch, c.done = c.done, c.send.batch[:0]
+	c.deferred = 0
+	return true
+}
+
+// kick is the reader's turn before it blocks: send what is ready without
+// blocking, hand any remainder to the writer.
+func (c *conn) kick() {
+	c.mu.Lock()
+	c.readerBusy = false
+	if !c.grab() {
+		c.mu.Unlock()
+		return
+	}
+	c.mu.Unlock()
+	c.encode()
+	if c.send.err == nil && !c.trySend() {
+		c.mu.Lock()
+		c.handoff = true
+		c.signal()
+		c.mu.Unlock()
+		return
+	}
+	c.release()
+}
+
+func (c *conn) writer() {
+	defer close(c.exited)
+	for {
+		select {
+		case <-c.wake:
+		case <-c.stop:
+			return
+		}
+		for c.writeRound() {
+		}
+	}
+}
+
+// writeRound sends one batch (a handed-over one, or whatever is ready),
+// blocking as long as it takes; false when there was nothing to send.
+func (c *conn) writeRound() bool {
+	c.mu.Lock()
+	resume := c.handoff
+	c.handoff = false
+	if !resume && !c.grab() {
+		c.mu.Unlock()
+		return false
+	}
+	c.mu.Unlock()
+	if !resume {
+		c.encode()
+	}
+	for c.send.err == nil && len(c.send.nb) > 0 {
+		var err error
+		if c.w.fd >= 0 {
+			err = c.send.sendmsg(false)
+		} else {
+			_, err = c.send.nb.WriteTo(c.w.nc)
+		}
+		if err != nil {
+			c.fail(err)
+		}
+	}
+	c.release()
+	return true
+}
+
+// encode turns the batch's replies into c.send.nb.
+func (c *conn) encode() {
+	iov := c.send.iov[:0]
+	for _, r := range c.send.batch {
+		iov = c.appendReply(iov, r)
+	}
+	c.send.iov = iov
+	c.send.nb = iov
+}
+
+// trySend writes c.send.nb without blocking; false if some is left.
+func (c *conn) trySend() bool {
+	if c.w.fd < 0 {
+		return len(c.send.nb) == 0
+	}
+	for len(c.send.nb) > 0 {
+		switch err := c.send.sendmsg(true); err {
+		case nil:
+		case unix.EAGAIN:
+			return false
+		default:
+			c.fail(err)
+			return true
+		}
+	}
+	return true
+}
+
+// consume drops the first n bytes of b.
+func consume(b *net.Buffers, n int) {
+	for n > 0 {
+		if n < len((*b)[0]) {
+			(*b)[0] = (*b)[0][n:]
+			return
+		}
+		n -= len((*b)[0])
+		*b = (*b)[1:]
+	}
+	for len(*b) > 0 && len((*b)[0]) == 0 {
+		*b = (*b)[1:]
+	}
+}
+
+// fail records that the client is gone. Replies are dropped from now on,
+// but requests keep being recycled so the reader can drain.
+func (c *conn) fail(err error) {
+	c.send.err = err
+	c.w.abort()
+}
+
+// release recycles the sent batch and gives the token back, waking the
+// writer if more replies arrived meanwhile and nobody else will send them.
+func (c *conn) release() {
+	clear(c.send.iov) // drop references to recycled buffers
+	c.send.iov = c.send.iov[:0]
+	c.send.nb = nil
+	c.recycle(c.send.batch)
+	c.send.batch = c.send.batch[:0]
+	c.mu.Lock()
+	c.writing = false
+	if len(c.done) > 0 && !c.readerBusy {
+		c.signal()
+	}
+	c.mu.Unlock()
+}
