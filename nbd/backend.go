@@ -2,6 +2,7 @@ package nbd
 
 import (
 	"errors"
+	"sync/atomic"
 	"syscall"
 )
 
@@ -115,9 +116,12 @@ type Request struct {
 	err    error
 	owner  completer
 	buf    *[]byte
-	held   int      // payload bytes reserved against the connection's budget
-	hdr    [32]byte // reply header scratch: never allocates per reply
-	ext    []byte   // encoded extents scratch
+	held   int // payload bytes reserved against the connection's budget
+	// inSubmit is set while the reader is inside Backend.Submit(r): a
+	// completion then is inline and the reader will send its reply.
+	inSubmit atomic.Bool
+	hdr      [32]byte // reply header scratch: never allocates per reply
+	ext      []byte   // encoded extents scratch
 }
 
 type completer interface{ complete(r *Request) }

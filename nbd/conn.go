@@ -35,15 +35,15 @@ type conn struct {
 	bytes    int // payload bytes held by requests in flight
 	maxBytes int
 	done     []*Request // completed, waiting for the writer
-	// readerBusy: the reader is working through requests it already has
-	// and will kick the writer before it blocks, so completions need not
-	// wake it one by one. This is what turns a burst of requests into one
-	// writev. deferred counts reply payload held back that way.
-	readerBusy bool
-	deferred   int
-	wake       chan struct{}
-	stop       chan struct{}
-	exited     chan struct{}
+	// Replies of requests completed inline (inside Submit, on the reader)
+	// are left for the reader to send before it next blocks: a burst of
+	// requests becomes one send. deferred counts their read payload;
+	// woken says a wake-up of the writer is already on its way.
+	deferred int
+	woken    bool
+	wake     chan struct{}
+	stop     chan struct{}
+	exited   chan struct{}
 
 	// writing: one goroutine (reader or writer) holds the send token;
 	// only it touches the send state below. handoff: the reader passed
@@ -109,14 +109,9 @@ func (c *conn) serve() error {
 func (c *conn) acquire(payload int) *Request {
 	c.mu.Lock()
 	for len(c.free) == 0 || (c.bytes > 0 && c.bytes+payload > c.maxBytes) {
-		// Only the token holder returns requests: make sure there is one.
-		c.readerBusy = false
-		if !c.writing {
-			c.signal()
-		}
+		c.wantSend() // only sending returns requests
 		c.cond.Wait()
 	}
-	c.readerBusy = true
 	r := c.free[len(c.free)-1]
 	c.free = c.free[:len(c.free)-1]
 	c.bytes += payload
@@ -167,6 +162,9 @@ func (c *conn) readLoop() error {
 			r.buf = c.srv.bufs.get(payload)
 			r.Data = *r.buf
 			if cmd == cmdWrite {
+				if c.br.Buffered() < payload {
+					c.kick() // the payload read will block
+				}
 				if _, err := io.ReadFull(c.br, r.Data); err != nil {
 					c.recycleOne(r)
 					return err
@@ -179,7 +177,9 @@ func (c *conn) readLoop() error {
 			c.complete(r) // nothing to do; a zero-length READ gets an empty reply
 			continue
 		}
+		r.inSubmit.Store(true)
 		c.be.Submit(r)
+		r.inSubmit.Store(false)
 	}
 }
 

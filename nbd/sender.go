@@ -66,26 +66,37 @@ func (s *sendState) sendmsg(dontWait bool) error {
 	}
 }
 
-// complete is called by backends (via Request.Complete) from any goroutine.
+// complete is called by backends (via Request.Complete) from any
+// goroutine, and by the reader for requests it answers itself.
 func (c *conn) complete(r *Request) {
+	inline := r.inSubmit.Load()
 	c.mu.Lock()
-	first := len(c.done) == 0
 	c.done = append(c.done, r)
 	if r.cmd == cmdRead {
 		c.deferred += len(r.Data)
 	}
-	if !c.writing && ((first && !c.readerBusy) || c.deferred >= maxDeferred) {
-		c.signal()
+	if !inline || c.deferred >= maxDeferred {
+		c.wantSend()
 	}
 	c.mu.Unlock()
 }
 
-// signal wakes the writer goroutine (c.mu held).
-func (c *conn) signal() {
+// wantSend makes sure somebody will send c.done (c.mu held): the token
+// holder looks again when it releases; otherwise wake the writer.
+func (c *conn) wantSend() {
+	if c.writing || len(c.done) == 0 {
+		return
+	}
 	c.deferred = 0
-	select {
-	case c.wake <- struct{}{}:
-	default:
+	c.wakeWriter()
+}
+
+// wakeWriter (c.mu held). The channel holds a wake-up only while woken
+// is set, so the send never blocks.
+func (c *conn) wakeWriter() {
+	if !c.woken {
+		c.woken = true
+		c.wake <- struct{}{}
 	}
 }
 
@@ -104,7 +115,6 @@ func (c *conn) grab() bool {
 // blocking, hand any remainder to the writer.
 func (c *conn) kick() {
 	c.mu.Lock()
-	c.readerBusy = false
 	if !c.grab() {
 		c.mu.Unlock()
 		return
@@ -114,7 +124,7 @@ func (c *conn) kick() {
 	if c.send.err == nil && !c.trySend() {
 		c.mu.Lock()
 		c.handoff = true
-		c.signal()
+		c.wakeWriter()
 		c.mu.Unlock()
 		return
 	}
@@ -129,6 +139,9 @@ func (c *conn) writer() {
 		case <-c.stop:
 			return
 		}
+		c.mu.Lock()
+		c.woken = false
+		c.mu.Unlock()
 		for c.writeRound() {
 		}
 	}
@@ -223,8 +236,6 @@ func (c *conn) release() {
 	c.send.batch = c.send.batch[:0]
 	c.mu.Lock()
 	c.writing = false
-	if len(c.done) > 0 && !c.readerBusy {
-		c.signal()
-	}
+	c.wantSend()
 	c.mu.Unlock()
 }

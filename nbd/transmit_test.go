@@ -333,3 +333,34 @@ func TestShutdownFinishesInflight(t *testing.T) {
 		t.Fatalf("ServeConn after Shutdown: %v", err)
 	}
 }
+
+// A reply must not wait for the reader: here the reader is stuck in the
+// middle of a write payload the client has not finished sending.
+func TestReplyNotHeldByBlockedReader(t *testing.T) {
+	for _, async := range []bool{false, true} {
+		var be Backend = Inline(newFlat(1 << 20))
+		a := newAsync(1 << 20)
+		if async {
+			be = a
+		}
+		s := newTestServer(t, Export{Backend: be})
+		c := connect(t, s)
+		c.open("", false)
+		c.send(cmdWrite, 0, 1, 0, 4096, pattern(4096, 1))
+		hdr := reqBytes(cmdWrite, 0, 2, 8192, 8192, pattern(4096, 2)) // half the payload
+		c.write(hdr)
+		if async {
+			a.finish(a.wait(t, 1)[0], nil)
+		}
+		if r := c.recv(0); r.cookie != 1 || r.errno != 0 {
+			t.Fatalf("async=%v: first reply %+v", async, r)
+		}
+		c.write(pattern(4096, 3))
+		if async {
+			a.finish(a.wait(t, 1)[0], nil)
+		}
+		if r := c.recv(0); r.cookie != 2 || r.errno != 0 {
+			t.Fatalf("async=%v: second reply %+v", async, r)
+		}
+	}
+}
