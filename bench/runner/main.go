@@ -48,6 +48,7 @@ func main() {
 	rounds := flag.Int("rounds", envInt("BENCH_ROUNDS", 2), "rounds (server order alternates)")
 	size := flag.String("size", "1G", "export size")
 	only := flag.String("only", os.Getenv("BENCH_JOBS"), "comma-separated job names (default all)")
+	rerender := flag.String("report", "", "re-render the report from this results.json instead of running")
 	flag.Parse()
 
 	servers := []server{
@@ -69,6 +70,22 @@ func main() {
 	defer os.RemoveAll(tmp)
 
 	var samples []sample
+	if *rerender != "" {
+		var saved struct {
+			Runtime int      `json:"runtime_s"`
+			Rounds  int      `json:"rounds"`
+			Samples []sample `json:"samples"`
+		}
+		b, err := os.ReadFile(*rerender)
+		if err == nil {
+			err = json.Unmarshal(b, &saved)
+		}
+		if err != nil {
+			log.Fatal(err)
+		}
+		samples, *runtime, *rounds = saved.Samples, saved.Runtime, saved.Rounds
+		*rounds = 0 // nothing to run
+	}
 	for round := 1; round <= *rounds; round++ {
 		for _, job := range jobs {
 			order := slices.Clone(servers)
@@ -92,6 +109,9 @@ func main() {
 		if err := os.WriteFile(filepath.Join(*out, name), b, 0o644); err != nil {
 			log.Fatal(err)
 		}
+	}
+	if *rerender != "" {
+		*rounds = len(samples) / max(1, len(jobs)*len(servers))
 	}
 	js, _ := json.MarshalIndent(map[string]any{"runtime_s": *runtime, "rounds": *rounds,
 		"size": *size, "samples": samples, "summary": rep}, "", "  ")

@@ -100,10 +100,11 @@ func markdown(r report, runtime, rounds int) string {
 // each normalised to the baseline (the dashed line at 1.0).
 func chart(r report) string {
 	const (
-		w, panelH, top, left, barW, gap = 900, 260, 40, 60, 22, 30
+		w, panelH, top, left, gap = 900, 260, 40, 60, 24
 	)
 	colors := []string{"#2b6cb0", "#dd6b20", "#718096", "#38a169"}
-	groupW := len(r.Servers)*barW + gap
+	groupW := (w - left - 30) / max(1, len(r.Jobs))
+	barW := (groupW - gap) / max(1, len(r.Servers))
 	var b strings.Builder
 	h := 2*panelH + 3*top + 40
 	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="11">`+"\n", w, h)
