@@ -24,40 +24,37 @@ type Export struct {
 	ReadOnly    bool // refuse writes even if the backend accepts them
 }
 
+// capFlags maps backend capabilities to the flags that advertise them.
+var capFlags = []struct {
+	c Caps
+	f TransmissionFlags
+}{
+	{CapReadOnly, FlagReadOnly},
+	{CapFlush, FlagSendFlush},
+	{CapFUA, FlagSendFUA},
+	{CapRotational, FlagRotational},
+	{CapTrim, FlagSendTrim},
+	{CapZeroes, FlagSendWriteZeroes},
+	{CapZeroes | CapFastZero, FlagSendFastZero},
+	{CapMultiConn, FlagCanMultiConn},
+	{CapCache, FlagSendCache},
+}
+
 // Flags are the transmission flags for this export. DF is only valid once
 // structured replies are negotiated, hence the argument.
 func (e *Export) Flags(structured bool) TransmissionFlags {
 	c := e.Backend.Caps()
 	f := FlagHasFlags
-	if e.ReadOnly || c&CapReadOnly != 0 {
-		f |= FlagReadOnly
-	}
-	if c&CapFlush != 0 {
-		f |= FlagSendFlush
-	}
-	if c&CapFUA != 0 {
-		f |= FlagSendFUA
-	}
-	if c&CapRotational != 0 {
-		f |= FlagRotational
-	}
-	if c&CapTrim != 0 {
-		f |= FlagSendTrim
-	}
-	if c&CapZeroes != 0 {
-		f |= FlagSendWriteZeroes
-		if c&CapFastZero != 0 {
-			f |= FlagSendFastZero
+	for _, m := range capFlags {
+		if c&m.c == m.c {
+			f |= m.f
 		}
+	}
+	if e.ReadOnly {
+		f |= FlagReadOnly
 	}
 	if structured {
 		f |= FlagSendDF
-	}
-	if c&CapMultiConn != 0 {
-		f |= FlagCanMultiConn
-	}
-	if c&CapCache != 0 {
-		f |= FlagSendCache
 	}
 	return f
 }
