@@ -33,7 +33,8 @@ fuzz:
 
 # fio against rbd-nbd-go, nbdkit memory and nbdkit null; results in bench/results/.
 bench: deps build
-	$(GO) test -run '^$$' -bench . -benchmem ./nbd/ | tee bench/results-go.txt
+	mkdir -p bench/results
+	$(GO) test -run '^$$' -bench . -benchmem ./nbd/ | tee bench/results/go-bench.txt
 	$(GO) run ./bench/runner -bin $(BIN) -out bench/results
 
 # Serve a file-backed export on a unix socket and show it working.
