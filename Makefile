@@ -1,6 +1,8 @@
 # rbd-nbd-go. `make run` and `make test` work on a fresh Debian 12 machine as
 # root: both install what they need first (scripts/deps.sh).
 export PATH := /usr/local/go/bin:$(PATH)
+# go-ceph v0.41 selects the pacific (Ceph 16, Debian 12) API with this tag.
+export GOFLAGS := -tags=pacific $(GOFLAGS)
 GO      ?= go
 BIN     := bin/rbd-nbd-go
 GOFILES := $(shell find . -name '*.go' -not -path './bin/*')

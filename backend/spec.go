@@ -1,5 +1,6 @@
-// Package backend turns a device spec from the command line (mem:SIZE,
-// file:PATH) into an nbd.Backend. The RBD backend joins it later.
+// Package backend turns a device spec from the command line into an
+// nbd.Backend: an RBD image ([rbd:]pool/[ns/]image[@snap]), mem:SIZE or
+// file:PATH.
 package backend
 
 import (
@@ -12,7 +13,20 @@ import (
 	"github.com/rbd-nbd-go/rbd-nbd-go/backend/filedev"
 	"github.com/rbd-nbd-go/rbd-nbd-go/backend/mem"
 	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
+	"github.com/rbd-nbd-go/rbd-nbd-go/rbdio"
 )
+
+// Options apply to whatever the spec names.
+type Options struct {
+	ReadOnly  bool
+	Exclusive bool // RBD only: take and keep the exclusive lock
+	Ceph      rbdio.Options
+	// Clusters shares RADOS connections between images; required for
+	// RBD specs.
+	Clusters *rbdio.Clusters
+	// OnResize is told the new size when the image grows or shrinks.
+	OnResize func(size uint64)
+}
 
 // Opened is a ready backend and how to let it go.
 type Opened struct {
@@ -31,12 +45,33 @@ func (o *Opened) Close() error {
 }
 
 // Open parses spec and opens it.
-func Open(spec string, readOnly bool) (*Opened, error) {
+func Open(spec string, o Options) (*Opened, error) {
+	readOnly := o.ReadOnly
 	kind, arg, ok := strings.Cut(spec, ":")
-	if !ok || arg == "" {
-		return nil, fmt.Errorf("bad spec %q: want mem:SIZE or file:PATH", spec)
+	if !ok {
+		kind, arg = "rbd", spec
+	}
+	if arg == "" {
+		return nil, fmt.Errorf("bad spec %q: want [rbd:]pool/image, mem:SIZE or file:PATH", spec)
+	}
+	if kind != "rbd" && o.Exclusive {
+		return nil, fmt.Errorf("--exclusive applies to RBD images only")
 	}
 	switch kind {
+	case "rbd":
+		is, err := rbdio.ParseImageSpec(arg)
+		if err != nil {
+			return nil, err
+		}
+		if o.Clusters == nil {
+			return nil, errors.New("rbd spec without a cluster registry")
+		}
+		im, err := rbdio.Open(o.Clusters, o.Ceph, is, rbdio.OpenOptions{
+			ReadOnly: readOnly, Exclusive: o.Exclusive, OnResize: o.OnResize})
+		if err != nil {
+			return nil, err
+		}
+		return &Opened{Backend: im, Describe: "rbd " + is.String(), close: im.Close}, nil
 	case "mem":
 		size, err := ParseSize(arg)
 		if err != nil {
@@ -58,7 +93,7 @@ func Open(spec string, readOnly bool) (*Opened, error) {
 			return errors.Join(p.Close(), d.Close())
 		}}, nil
 	}
-	return nil, fmt.Errorf("bad spec %q: unknown kind %q (want mem or file)", spec, kind)
+	return nil, fmt.Errorf("bad spec %q: unknown kind %q (want rbd, mem or file)", spec, kind)
 }
 
 // ParseSize reads sizes like 4096, 512K, 64M, 1G, 2T, 1GiB (binary units).

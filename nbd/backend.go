@@ -203,19 +203,28 @@ func ErrnoOf(err error) Errno {
 	return ErrIO
 }
 
+// Err is the error the request completed with.
+func (r *Request) Err() error { return r.err }
+
+// Go submits r to b and calls done(r), on the completing goroutine, when
+// it finishes: for callers outside a connection (tools, tests, benches).
+func Go(b Backend, r *Request, done func(*Request)) {
+	r.owner = doneFunc(done)
+	b.Submit(r)
+}
+
+type doneFunc func(*Request)
+
+func (f doneFunc) complete(r *Request) { f(r) }
+
 // Do submits one request and waits for it: for control paths (final
 // flush on shutdown, tests), never for the data path.
 func Do(b Backend, r *Request) error {
-	w := &waiter{done: make(chan struct{})}
-	r.owner = w
-	b.Submit(r)
-	<-w.done
+	done := make(chan struct{})
+	Go(b, r, func(*Request) { close(done) })
+	<-done
 	return r.err
 }
-
-type waiter struct{ done chan struct{} }
-
-func (w *waiter) complete(*Request) { close(w.done) }
 
 // Flush asks b to make every completed write durable; a no-op for
 // backends without CapFlush.

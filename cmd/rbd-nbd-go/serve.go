@@ -16,11 +16,13 @@ import (
 
 	"github.com/rbd-nbd-go/rbd-nbd-go/backend"
 	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
+	"github.com/rbd-nbd-go/rbd-nbd-go/rbdio"
 )
 
 type serveOpts struct {
 	socket, listen, name string
-	readOnly             bool
+	readOnly, exclusive  bool
+	ceph                 rbdio.Options
 	shutdownTimeout      time.Duration
 	cpuProfile           string
 }
@@ -28,12 +30,15 @@ type serveOpts struct {
 func newServe() *cobra.Command {
 	var o serveOpts
 	cmd := &cobra.Command{
-		Use:   "serve [--socket PATH | --listen HOST:PORT] [--read-only] [--name EXPORT] SPEC",
-		Short: "Export a device (mem:SIZE or file:PATH) over NBD",
+		Use:   "serve [--socket PATH | --listen HOST:PORT] [--read-only] [--exclusive] [--name EXPORT] [Ceph options] SPEC",
+		Short: "Export an RBD image (or mem:SIZE, file:PATH) over NBD",
 		Long: `Export a device over NBD to userspace clients (nbdinfo, qemu, fio, nbd-client).
 
-SPEC is mem:SIZE (a sparse in-memory disk, e.g. mem:1G) or file:PATH (a
-regular file or block device). A unix socket is created mode 0600; TCP
+SPEC is an RBD image, [rbd:][pool/[namespace/]]image[@snap] (pool defaults
+to rbd; a snapshot is read-only), mem:SIZE (a sparse in-memory disk, e.g.
+mem:1G) or file:PATH (a regular file or block device). RBD images are
+served through librbd's aio API with the cache off, so acknowledged writes
+never live only in this process. A unix socket is created mode 0600; TCP
 listens on 127.0.0.1 unless a host is given. Without --socket or --listen
 the server expects a socket-activation listener (LISTEN_FDS), as started
 by nbdinfo/nbdcopy "-- [ command ]". SIGINT/SIGTERM finish requests in
@@ -48,6 +53,8 @@ flight, flush, and exit.`,
 	f.StringVar(&o.listen, "listen", "", "listen on TCP HOST:PORT (PORT alone means 127.0.0.1)")
 	f.StringVar(&o.name, "name", "", "export name (empty is the default export)")
 	f.BoolVar(&o.readOnly, "read-only", false, "refuse writes")
+	f.BoolVar(&o.exclusive, "exclusive", false, "take the RBD exclusive lock and keep it")
+	addCephFlags(f, &o.ceph)
 	f.DurationVar(&o.shutdownTimeout, "shutdown-timeout", 30*time.Second,
 		"how long to wait for requests in flight on shutdown")
 	f.StringVar(&o.cpuProfile, "cpu-profile", "", "write a Go CPU profile here until exit (development)")
@@ -85,7 +92,9 @@ func listen(o serveOpts) (net.Listener, string, error) {
 }
 
 func runServe(ctx context.Context, log *slog.Logger, o serveOpts, spec string) error {
-	dev, err := backend.Open(spec, o.readOnly)
+	dev, err := backend.Open(spec, backend.Options{ReadOnly: o.readOnly, Exclusive: o.exclusive,
+		Ceph: o.ceph, Clusters: rbdio.NewClusters(),
+		OnResize: func(size uint64) { log.Info("image resized; new connections see the new size", "size", size) }})
 	if err != nil {
 		return err
 	}

@@ -1,0 +1,254 @@
+package rbdio
+
+// The cgo boundary: the only C in the project. Each data-path operation is
+// one C call (create a completion for a slot, start the aio); a small C
+// callback queues finished slots and signals an eventfd; the reaper
+// drains them in batches, one C call per batch. No Go code ever runs on
+// a librbd thread.
+
+/*
+#cgo LDFLAGS: -lrbd -lrados -lpthread
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <rbd/librbd.h>
+
+enum { OP_READ = 0, OP_WRITE = 1, OP_FLUSH = 3, OP_DISCARD = 4, OP_ZEROES = 6 };
+
+// Finished completions wait here until the reaper drains them. The
+// callback runs on a librbd thread: it only appends under a mutex and
+// writes the eventfd when the queue stops being empty. (librbd's own
+// event socket is not used: completions that fail before they start,
+// such as a write to a read-only image, never reach it.)
+struct nbdgo_img {
+	pthread_mutex_t mu;
+	int efd;
+	uintptr_t *tags;
+	int64_t *rets;
+	int n, cap;
+};
+
+struct nbdgo_slot {
+	struct nbdgo_img *img;
+	uintptr_t tag;
+};
+
+static struct nbdgo_img *nbdgo_img_new(int efd) {
+	struct nbdgo_img *im = calloc(1, sizeof *im);
+	if (im == NULL)
+		return NULL;
+	pthread_mutex_init(&im->mu, NULL);
+	im->efd = efd;
+	return im;
+}
+
+static void nbdgo_img_free(struct nbdgo_img *im) {
+	pthread_mutex_destroy(&im->mu);
+	free(im->tags);
+	free(im->rets);
+	free(im);
+}
+
+static struct nbdgo_slot *nbdgo_slot_new(struct nbdgo_img *im, uintptr_t tag) {
+	struct nbdgo_slot *s = malloc(sizeof *s);
+	if (s != NULL) {
+		s->img = im;
+		s->tag = tag;
+	}
+	return s;
+}
+
+static void nbdgo_cb(rbd_completion_t c, void *arg) {
+	struct nbdgo_slot *s = arg;
+	struct nbdgo_img *im = s->img;
+	int64_t ret = rbd_aio_get_return_value(c);
+	rbd_aio_release(c);
+	pthread_mutex_lock(&im->mu);
+	if (im->n == im->cap) {
+		int cap = im->cap ? 2 * im->cap : 256;
+		uintptr_t *t = realloc(im->tags, cap * sizeof *t);
+		int64_t *r = realloc(im->rets, cap * sizeof *r);
+		if (t == NULL || r == NULL)
+			abort(); // out of memory on a completion path: nothing sane remains
+		im->tags = t;
+		im->rets = r;
+		im->cap = cap;
+	}
+	im->tags[im->n] = s->tag;
+	im->rets[im->n] = ret;
+	int wake = ++im->n == 1;
+	pthread_mutex_unlock(&im->mu);
+	if (wake) {
+		uint64_t one = 1;
+		ssize_t w = write(im->efd, &one, sizeof one);
+		(void)w;
+	}
+}
+
+// nbdgo_aio starts one operation whose completion reports slot s.
+static int nbdgo_aio(rbd_image_t img, int op, uint64_t off, uint64_t len,
+                     char *buf, int zero_flags, struct nbdgo_slot *s) {
+	rbd_completion_t c;
+	int r = rbd_aio_create_completion(s, nbdgo_cb, &c);
+	if (r < 0)
+		return r;
+	switch (op) {
+	case OP_READ:    r = rbd_aio_read(img, off, len, buf, c); break;
+	case OP_WRITE:   r = rbd_aio_write(img, off, len, buf, c); break;
+	case OP_FLUSH:   r = rbd_aio_flush(img, c); break;
+	case OP_DISCARD: r = rbd_aio_discard(img, off, len, c); break;
+	case OP_ZEROES:  r = rbd_aio_write_zeroes(img, off, len, c, zero_flags, 0); break;
+	default:         r = -EINVAL;
+	}
+	if (r < 0)
+		rbd_aio_release(c);
+	return r;
+}
+
+// nbdgo_drain moves up to max finished completions into tags/rets.
+static int nbdgo_drain(struct nbdgo_img *im, uintptr_t *tags, int64_t *rets, int max) {
+	pthread_mutex_lock(&im->mu);
+	int n = im->n < max ? im->n : max;
+	memcpy(tags, im->tags, n * sizeof *tags);
+	memcpy(rets, im->rets, n * sizeof *rets);
+	memmove(im->tags, im->tags + n, (im->n - n) * sizeof *tags);
+	memmove(im->rets, im->rets + n, (im->n - n) * sizeof *rets);
+	im->n -= n;
+	pthread_mutex_unlock(&im->mu);
+	return n;
+}
+
+static void nbdgo_update_cb(void *arg) {
+	uint64_t one = 1;
+	ssize_t r = write((int)(intptr_t)arg, &one, sizeof one);
+	(void)r;
+}
+
+static int nbdgo_update_watch(rbd_image_t img, uint64_t *handle, int fd) {
+	return rbd_update_watch(img, handle, nbdgo_update_cb, (void *)(intptr_t)fd);
+}
+*/
+import "C"
+
+import (
+	"syscall"
+	"unsafe"
+
+	"github.com/ceph/go-ceph/rados"
+)
+
+const pollBatch = 256
+
+type cImage struct {
+	p C.rbd_image_t
+	q *C.struct_nbdgo_img
+}
+
+// cSlot is a slot's C-side identity: the completion callback's argument.
+type cSlot = *C.struct_nbdgo_slot
+
+func errnoOf(r C.int) error {
+	if r >= 0 {
+		return nil
+	}
+	return syscall.Errno(-r)
+}
+
+// rbd_open / rbd_open_read_only on an ioctx go-ceph opened.
+func openImage(ioctx *rados.IOContext, name, snap string, readOnly bool) (cImage, error) {
+	cname := C.CString(name)
+	defer C.free(unsafe.Pointer(cname))
+	var csnap *C.char
+	if snap != "" {
+		csnap = C.CString(snap)
+		defer C.free(unsafe.Pointer(csnap))
+	}
+	var img C.rbd_image_t
+	io := C.rados_ioctx_t(ioctx.Pointer())
+	var r C.int
+	if readOnly {
+		r = C.rbd_open_read_only(io, cname, &img, csnap)
+	} else {
+		r = C.rbd_open(io, cname, &img, csnap)
+	}
+	return cImage{p: img}, errnoOf(r)
+}
+
+func (i cImage) close() error { return errnoOf(C.rbd_close(i.p)) }
+
+func (i cImage) size() (uint64, error) {
+	var s C.uint64_t
+	err := errnoOf(C.rbd_get_size(i.p, &s))
+	return uint64(s), err
+}
+
+// initQueue sets up the completion queue signalled on fd.
+func (i *cImage) initQueue(fd int) error {
+	if i.q = C.nbdgo_img_new(C.int(fd)); i.q == nil {
+		return syscall.ENOMEM
+	}
+	return nil
+}
+
+// freeQueue releases the queue and the slots (no I/O may be in flight).
+func (i *cImage) freeQueue(slots []cSlot) {
+	for _, s := range slots {
+		C.free(unsafe.Pointer(s))
+	}
+	if i.q != nil {
+		C.nbdgo_img_free(i.q)
+		i.q = nil
+	}
+}
+
+func (i cImage) newSlot(tag uint32) cSlot {
+	s := C.nbdgo_slot_new(i.q, C.uintptr_t(tag))
+	if s == nil {
+		panic("rbdio: out of memory")
+	}
+	return s
+}
+
+func (i cImage) updateWatch(fd int) (uint64, error) {
+	var h C.uint64_t
+	err := errnoOf(C.nbdgo_update_watch(i.p, &h, C.int(fd)))
+	return uint64(h), err
+}
+
+func (i cImage) updateUnwatch(h uint64) error {
+	return errnoOf(C.rbd_update_unwatch(i.p, C.uint64_t(h)))
+}
+
+func (i cImage) lockExclusive() error {
+	return errnoOf(C.rbd_lock_acquire(i.p, C.RBD_LOCK_MODE_EXCLUSIVE))
+}
+
+const (
+	aioRead    = C.OP_READ
+	aioWrite   = C.OP_WRITE
+	aioFlush   = C.OP_FLUSH
+	aioDiscard = C.OP_DISCARD
+	aioZeroes  = C.OP_ZEROES
+
+	zeroThick = C.RBD_WRITE_ZEROES_FLAG_THICK_PROVISION
+)
+
+// aio starts op; buf must stay valid (pinned) until the completion is
+// reaped. The returned error means the op never started.
+func (i cImage) aio(op int, off, length uint64, buf []byte, zeroFlags int, s cSlot) error {
+	var p *C.char
+	if len(buf) > 0 {
+		p = (*C.char)(unsafe.Pointer(&buf[0]))
+	}
+	return errnoOf(C.nbdgo_aio(i.p, C.int(op), C.uint64_t(off), C.uint64_t(length), p,
+		C.int(zeroFlags), s))
+}
+
+// poll drains finished completions into tags and rets.
+func (i cImage) poll(tags *[pollBatch]uintptr, rets *[pollBatch]int64) int {
+	return int(C.nbdgo_drain(i.q, (*C.uintptr_t)(unsafe.Pointer(&tags[0])),
+		(*C.int64_t)(unsafe.Pointer(&rets[0])), pollBatch))
+}

@@ -1,0 +1,168 @@
+package rbdio
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"strconv"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/ceph/go-ceph/rados"
+)
+
+// Options are the usual Ceph client inputs, named as Ceph names them.
+// Keys are only ever passed by file (keyring, keyfile), never as values,
+// so they cannot leak into argv or logs.
+type Options struct {
+	Conf    string // -c/--conf; default $CEPH_CONF, then Ceph's own search
+	MonHost string // -m/--mon-host
+	ID      string // --id: client name without "client.", default "admin"
+	Keyring string // --keyring
+	Keyfile string // --keyfile: a file holding the bare secret
+	// OpTimeout bounds each RADOS operation (rados osd/mon op timeout)
+	// and the initial connection; 0 means 30s. A blocked librbd call
+	// would otherwise wait forever.
+	OpTimeout time.Duration
+}
+
+func (o Options) id() string {
+	if o.ID == "" {
+		return "admin"
+	}
+	return o.ID
+}
+
+func (o Options) timeout() time.Duration {
+	if o.OpTimeout <= 0 {
+		return 30 * time.Second
+	}
+	return o.OpTimeout
+}
+
+// Clusters shares one RADOS connection per cluster identity among every
+// image the process opens: one set of monitor sessions and messenger
+// threads per cluster, not per image as Ceph's rbd-nbd has it.
+type Clusters struct {
+	mu    sync.Mutex
+	conns map[Options]*clusterRef
+}
+
+type clusterRef struct {
+	conn *rados.Conn
+	refs int
+}
+
+func NewClusters() *Clusters { return &Clusters{conns: map[Options]*clusterRef{}} }
+
+// get returns a connected handle for o and a release function.
+func (c *Clusters) get(o Options) (*rados.Conn, func(), error) {
+	if o.Conf == "" {
+		o.Conf = os.Getenv("CEPH_CONF")
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if ref, ok := c.conns[o]; ok {
+		ref.refs++
+		return ref.conn, c.releaser(o, ref), nil
+	}
+	conn, err := connect(o)
+	if err != nil {
+		return nil, nil, err
+	}
+	ref := &clusterRef{conn: conn, refs: 1}
+	c.conns[o] = ref
+	return conn, c.releaser(o, ref), nil
+}
+
+func (c *Clusters) releaser(o Options, ref *clusterRef) func() {
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			c.mu.Lock()
+			defer c.mu.Unlock()
+			if ref.refs--; ref.refs == 0 {
+				delete(c.conns, o)
+				ref.conn.Shutdown()
+			}
+		})
+	}
+}
+
+func connect(o Options) (*rados.Conn, error) {
+	conn, err := rados.NewConnWithUser(o.id())
+	if err != nil {
+		return nil, fmt.Errorf("ceph client: %w", err)
+	}
+	fail := func(err error) (*rados.Conn, error) {
+		conn.Shutdown()
+		return nil, err
+	}
+	if o.Conf != "" {
+		if err := conn.ReadConfigFile(o.Conf); err != nil {
+			return fail(fmt.Errorf("ceph config %s: %w", o.Conf, err))
+		}
+	} else if err := conn.ReadDefaultConfigFile(); err != nil && o.MonHost == "" {
+		return fail(fmt.Errorf("no ceph config found (give -c or -m): %w", err))
+	}
+	secs := strconv.Itoa(int(o.timeout().Seconds()))
+	set := []struct{ k, v string }{
+		{"rados_osd_op_timeout", secs},
+		{"rados_mon_op_timeout", secs},
+		{"client_mount_timeout", secs},
+		// Acknowledged writes must not live only in this process: a
+		// kill -9 then reattach would lose them (seen with rbd-nbd).
+		// The kernel's page cache already sits above the device.
+		{"rbd_cache", "false"},
+		// librbd may keep a reference to our (pinned) buffer instead of
+		// copying it: we hold it until the write completes anyway.
+		{"rbd_disable_zero_copy_writes", "false"},
+	}
+	if o.MonHost != "" {
+		set = append(set, struct{ k, v string }{"mon_host", o.MonHost})
+	}
+	if o.Keyring != "" {
+		set = append(set, struct{ k, v string }{"keyring", o.Keyring})
+	}
+	if o.Keyfile != "" {
+		set = append(set, struct{ k, v string }{"keyfile", o.Keyfile})
+	}
+	for _, s := range set {
+		if err := conn.SetConfigOption(s.k, s.v); err != nil {
+			return fail(fmt.Errorf("ceph option %s: %w", s.k, err))
+		}
+	}
+	if err := conn.Connect(); err != nil {
+		return fail(describeConnectError(o, err))
+	}
+	return conn, nil
+}
+
+// describeConnectError says what most likely went wrong, in one line,
+// without echoing any secret.
+func describeConnectError(o Options, err error) error {
+	who := "client." + o.id()
+	if code := cephErrno(err); code != 0 {
+		switch code {
+		case syscall.EACCES, syscall.EPERM:
+			return fmt.Errorf("connect to ceph as %s: permission denied (wrong key or keyring?)", who)
+		case syscall.ETIMEDOUT:
+			return fmt.Errorf("connect to ceph as %s: no monitor answered within %s", who, o.timeout())
+		case syscall.ENOENT:
+			return fmt.Errorf("connect to ceph as %s: no key found for this user (give --keyring or --keyfile)", who)
+		}
+	}
+	return fmt.Errorf("connect to ceph as %s: %w", who, err)
+}
+
+// cephErrno extracts the errno from a go-ceph error (0 if none).
+func cephErrno(err error) syscall.Errno {
+	var ce interface{ ErrorCode() int }
+	if errors.As(err, &ce) {
+		if c := ce.ErrorCode(); c < 0 {
+			return syscall.Errno(-c)
+		}
+	}
+	return 0
+}

@@ -1,0 +1,353 @@
+package rbdio
+
+import (
+	"errors"
+	"fmt"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
+)
+
+// OpenOptions choose how an image is opened.
+type OpenOptions struct {
+	ReadOnly bool // also implied by a snapshot
+	// Exclusive takes the exclusive lock and keeps it: other clients'
+	// writes are refused until we close.
+	Exclusive bool
+	// OnResize, if set, is called (from a background goroutine) with
+	// the new size after the image is resized.
+	OnResize func(size uint64)
+}
+
+// Image serves one RBD image as an nbd.Backend over librbd's aio API.
+//
+// Each request in flight takes a slot; the slot number is the tag of its
+// librbd completion, so no Go pointer crosses into C and the lookup on
+// completion is an index. Payload buffers are pinned while librbd holds
+// them: librbd reads into and writes from the NBD layer's own buffers,
+// with no copy in Go. One goroutine, blocked on an eventfd librbd
+// signals, reaps completions in batches: no goroutine or thread per
+// request.
+type Image struct {
+	spec     ImageSpec
+	img      cImage
+	readOnly bool
+	size     atomic.Uint64
+	onResize func(uint64)
+
+	efd, wfd    int // completion and update-watch eventfds
+	watchHandle uint64
+	reaped      chan struct{}
+	watched     chan struct{}
+	closed      atomic.Bool
+
+	mu       sync.Mutex
+	idle     sync.Cond
+	slots    []*slot
+	free     []uint32
+	inflight int
+
+	release func() // cluster connection reference and ioctx
+}
+
+type slot struct {
+	c   cSlot // the completion callback's argument
+	r   *nbd.Request
+	pin runtime.Pinner
+	fua bool // flush still to do before the request completes
+}
+
+// Open opens spec on the cluster described by o.
+func Open(clusters *Clusters, o Options, spec ImageSpec, oo OpenOptions) (*Image, error) {
+	conn, release, err := clusters.get(o)
+	if err != nil {
+		return nil, err
+	}
+	ioctx, err := conn.OpenIOContext(spec.Pool)
+	if err != nil {
+		release()
+		if cephErrno(err) == syscall.ENOENT {
+			return nil, fmt.Errorf("pool %q does not exist", spec.Pool)
+		}
+		return nil, fmt.Errorf("pool %q: %w", spec.Pool, err)
+	}
+	ioctx.SetNamespace(spec.Namespace)
+	im := &Image{spec: spec, readOnly: oo.ReadOnly || spec.Snap != "", onResize: oo.OnResize,
+		efd: -1, wfd: -1, release: func() { ioctx.Destroy(); release() }}
+	im.idle.L = &im.mu
+	if im.img, err = openImage(ioctx, spec.Image, spec.Snap, im.readOnly); err != nil {
+		im.release()
+		switch {
+		case errors.Is(err, syscall.ENOENT) && spec.Snap != "":
+			return nil, fmt.Errorf("image %s: image or snapshot does not exist", spec)
+		case errors.Is(err, syscall.ENOENT):
+			return nil, fmt.Errorf("image %s does not exist", spec)
+		}
+		return nil, fmt.Errorf("open image %s: %w", spec, err)
+	}
+	if err := im.start(oo); err != nil {
+		im.img.close()
+		im.img.freeQueue(nil)
+		im.closeFDs()
+		im.release()
+		return nil, err
+	}
+	return im, nil
+}
+
+func (im *Image) start(oo OpenOptions) error {
+	size, err := im.img.size()
+	if err != nil {
+		return fmt.Errorf("image %s: size: %w", im.spec, err)
+	}
+	im.size.Store(size)
+	if oo.Exclusive {
+		if im.readOnly {
+			return fmt.Errorf("image %s: --exclusive needs a writable image", im.spec)
+		}
+		if err := im.img.lockExclusive(); err != nil {
+			if errors.Is(err, syscall.EROFS) || errors.Is(err, syscall.EBUSY) {
+				return fmt.Errorf("image %s: exclusive lock is held by another client", im.spec)
+			}
+			return fmt.Errorf("image %s: exclusive lock: %w", im.spec, err)
+		}
+	}
+	if im.efd, err = unix.Eventfd(0, unix.EFD_CLOEXEC); err != nil {
+		return err
+	}
+	if err := im.img.initQueue(im.efd); err != nil {
+		return fmt.Errorf("image %s: completion queue: %w", im.spec, err)
+	}
+	if im.wfd, err = unix.Eventfd(0, unix.EFD_CLOEXEC); err != nil {
+		return err
+	}
+	if im.watchHandle, err = im.img.updateWatch(im.wfd); err != nil {
+		return fmt.Errorf("image %s: update watch: %w", im.spec, err)
+	}
+	im.reaped, im.watched = make(chan struct{}), make(chan struct{})
+	go im.reap()
+	go im.watch()
+	return nil
+}
+
+func (im *Image) Spec() ImageSpec { return im.spec }
+func (im *Image) Size() uint64    { return im.size.Load() }
+
+// Caps: everything librbd does natively. FUA is a write followed by a
+// flush of the image (librbd has no per-write durability flag), which
+// with the cache off is as cheap as durability gets.
+func (im *Image) Caps() nbd.Caps {
+	c := nbd.CapFlush | nbd.CapFUA | nbd.CapTrim | nbd.CapZeroes | nbd.CapMultiConn
+	if im.readOnly {
+		c |= nbd.CapReadOnly
+	}
+	return c
+}
+
+// Submit starts r on librbd. It never blocks on I/O.
+func (im *Image) Submit(r *nbd.Request) {
+	// librbd (pacific) accepts a write to a read-only image, or beyond
+	// the end of a shrunk one, and never completes it: refuse those here,
+	// whatever the layer above checked.
+	writes := r.Op == nbd.OpWrite || r.Op == nbd.OpTrim || r.Op == nbd.OpWriteZeroes
+	if im.readOnly && writes {
+		r.Complete(nbd.ErrPerm)
+		return
+	}
+	if size := im.size.Load(); r.Op != nbd.OpFlush && (r.Offset > size || uint64(r.Length) > size-r.Offset) {
+		if writes {
+			r.Complete(nbd.ErrNoSpace)
+		} else {
+			r.Complete(nbd.ErrInvalid)
+		}
+		return
+	}
+	tag, cs := im.take(r)
+	var op, zf int
+	switch r.Op {
+	case nbd.OpRead:
+		op = aioRead
+	case nbd.OpWrite:
+		op = aioWrite
+	case nbd.OpFlush:
+		op = aioFlush
+	case nbd.OpTrim:
+		op = aioDiscard
+	case nbd.OpWriteZeroes:
+		op = aioZeroes
+		if r.Flags&nbd.ReqNoHole != 0 {
+			zf = zeroThick
+		}
+	default:
+		im.finish(tag, -int64(syscall.EINVAL))
+		return
+	}
+	if err := im.img.aio(op, r.Offset, uint64(r.Length), r.Data, zf, cs); err != nil {
+		im.finish(tag, -int64(err.(syscall.Errno)))
+	}
+}
+
+// take assigns r a slot. Slot fields change only under im.mu: the reaper
+// reads them after a hand-over through librbd that Go cannot see.
+func (im *Image) take(r *nbd.Request) (uint32, cSlot) {
+	im.mu.Lock()
+	defer im.mu.Unlock()
+	if len(im.free) == 0 {
+		tag := uint32(len(im.slots))
+		im.slots = append(im.slots, &slot{c: im.img.newSlot(tag)})
+		im.free = append(im.free, tag)
+	}
+	tag := im.free[len(im.free)-1]
+	im.free = im.free[:len(im.free)-1]
+	im.inflight++
+	s := im.slots[tag]
+	s.r = r
+	s.fua = r.Flags&nbd.ReqFUA != 0
+	if len(r.Data) > 0 {
+		s.pin.Pin(&r.Data[0])
+	}
+	return tag, s.c
+}
+
+// reap waits for librbd's signal and finishes completions in batches.
+func (im *Image) reap() {
+	defer close(im.reaped)
+	var (
+		tags [pollBatch]uintptr
+		rets [pollBatch]int64
+		buf  [8]byte
+	)
+	for {
+		if _, err := unix.Read(im.efd, buf[:]); err != nil && err != unix.EINTR {
+			return
+		}
+		for {
+			n := im.img.poll(&tags, &rets)
+			for i := range n {
+				im.finish(uint32(tags[i]), rets[i])
+			}
+			if n < pollBatch {
+				break
+			}
+		}
+		if im.closed.Load() {
+			im.mu.Lock()
+			done := im.inflight == 0
+			im.mu.Unlock()
+			if done {
+				return
+			}
+		}
+	}
+}
+
+// finish completes the request in slot tag with librbd's return value,
+// first chaining the flush a FUA write still owes.
+func (im *Image) finish(tag uint32, ret int64) {
+	im.mu.Lock()
+	s := im.slots[tag]
+	if ret >= 0 && s.fua {
+		s.fua = false
+		im.mu.Unlock()
+		err := im.img.aio(aioFlush, 0, 0, nil, 0, s.c)
+		if err == nil {
+			return
+		}
+		ret = -int64(err.(syscall.Errno))
+		im.mu.Lock()
+	}
+	r := s.r
+	s.r = nil
+	s.pin.Unpin()
+	im.free = append(im.free, tag)
+	if im.inflight--; im.inflight == 0 {
+		im.idle.Broadcast()
+	}
+	im.mu.Unlock()
+	var err error
+	if ret < 0 {
+		err = syscall.Errno(-ret)
+	}
+	r.Complete(err)
+}
+
+// watch follows image updates (resize) through the update-watch eventfd.
+func (im *Image) watch() {
+	defer close(im.watched)
+	var buf [8]byte
+	for {
+		if _, err := unix.Read(im.wfd, buf[:]); err != nil && err != unix.EINTR {
+			return
+		}
+		if im.closed.Load() {
+			return
+		}
+		size, err := im.img.size()
+		if err != nil || size == im.size.Load() {
+			continue
+		}
+		im.size.Store(size)
+		if im.onResize != nil {
+			im.onResize(size)
+		}
+	}
+}
+
+// closeWait bounds how long Close waits for requests in flight.
+const closeWait = 60 * time.Second
+
+// Close waits for requests in flight (at most closeWait: a completion
+// librbd never delivers must not hang shutdown), stops the goroutines
+// and closes the image. No Submit may follow.
+func (im *Image) Close() error {
+	if im.closed.Swap(true) {
+		return nil
+	}
+	timer := time.AfterFunc(closeWait, func() {
+		im.mu.Lock()
+		im.idle.Broadcast()
+		im.mu.Unlock()
+	})
+	deadline := time.Now().Add(closeWait)
+	im.mu.Lock()
+	for im.inflight > 0 && time.Now().Before(deadline) {
+		im.idle.Wait()
+	}
+	stuck := im.inflight
+	im.mu.Unlock()
+	timer.Stop()
+	if stuck > 0 {
+		// The image cannot be closed safely with aio outstanding; leak
+		// it rather than crash, and say so.
+		return fmt.Errorf("image %s: %d requests never completed; image left open", im.spec, stuck)
+	}
+	one := []byte{1, 0, 0, 0, 0, 0, 0, 0}
+	unix.Write(im.efd, one)
+	unix.Write(im.wfd, one)
+	<-im.reaped
+	<-im.watched
+	err := im.img.updateUnwatch(im.watchHandle)
+	err = errors.Join(err, im.img.close())
+	cs := make([]cSlot, len(im.slots))
+	for i, s := range im.slots {
+		cs[i] = s.c
+	}
+	im.img.freeQueue(cs)
+	im.closeFDs()
+	im.release()
+	return err
+}
+
+func (im *Image) closeFDs() {
+	for _, fd := range []int{im.efd, im.wfd} {
+		if fd >= 0 {
+			unix.Close(fd)
+		}
+	}
+}
