@@ -23,10 +23,11 @@ lint:
 	@out=$$(gofmt -l $(GOFILES)); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
 
-# Unit, fuzz-seed and interop tests, with the race detector. Interop
-# clients are required here: a missing one fails rather than skips.
+# Unit, fuzz-seed, interop and Ceph tests, with the race detector. Test
+# packages needing Ceph start their own dev cluster. Interop clients and
+# Ceph are required here: a missing one fails rather than skips.
 test: deps lint
-	RBD_NBD_GO_INTEROP=required $(GO) test -race -count=1 -timeout 20m ./...
+	RBD_NBD_GO_INTEROP=required RBD_NBD_GO_CEPH=required $(GO) test -race -count=1 -timeout 30m ./...
 
 # A short run of each fuzz target beyond its seed corpus.
 fuzz:

@@ -15,9 +15,12 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/internal/cephtest"
 )
 
 var binary string
@@ -35,6 +38,9 @@ func TestMain(m *testing.M) {
 		os.Exit(1)
 	}
 	code := m.Run()
+	if ceph.c != nil {
+		ceph.c.Stop()
+	}
 	os.RemoveAll(dir)
 	os.Exit(code)
 }
@@ -52,6 +58,25 @@ func need(t *testing.T, tools ...string) {
 	}
 }
 
+// ceph is the dev cluster, started by the first test that needs it.
+var ceph struct {
+	once sync.Once
+	c    *cephtest.Cluster
+	err  error
+}
+
+func needCeph(t *testing.T) *cephtest.Cluster {
+	t.Helper()
+	ceph.once.Do(func() { ceph.c, ceph.err = cephtest.Start() })
+	if ceph.err != nil {
+		t.Fatal(ceph.err)
+	}
+	if ceph.c == nil {
+		t.Skip("Ceph not installed")
+	}
+	return ceph.c
+}
+
 // server is a running `rbd-nbd-go serve`.
 type server struct {
 	cmd    *exec.Cmd
@@ -64,6 +89,12 @@ type server struct {
 // serve starts the binary on a unix socket (or TCP with tcp=true) and
 // waits until it accepts connections.
 func serve(t *testing.T, tcp bool, args ...string) *server {
+	t.Helper()
+	return serveEnv(t, nil, tcp, args...)
+}
+
+// serveEnv is serve with a different environment (nil: inherit).
+func serveEnv(t *testing.T, env []string, tcp bool, args ...string) *server {
 	t.Helper()
 	s := &server{stderr: &bytes.Buffer{}}
 	if tcp {
@@ -81,6 +112,7 @@ func serve(t *testing.T, tcp bool, args ...string) *server {
 		s.uri = "nbd+unix:///?socket=" + s.socket
 	}
 	s.cmd = exec.Command(binary, args...)
+	s.cmd.Env = env
 	s.cmd.Stderr = s.stderr
 	if err := s.cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -96,7 +128,7 @@ func serve(t *testing.T, tcp bool, args ...string) *server {
 			c.Close()
 			return s
 		}
-		if time.Now().After(deadline) {
+		if time.Now().After(deadline) || s.exited() {
 			t.Fatalf("server did not come up: %s", s.stderr)
 		}
 		time.Sleep(20 * time.Millisecond)
@@ -109,6 +141,16 @@ func (s *server) withExport(name string) string {
 		return "nbd+unix:///" + name + "?socket=" + s.socket
 	}
 	return "nbd://" + s.addr + "/" + name
+}
+
+func (s *server) exited() bool {
+	return s.cmd.ProcessState != nil || s.cmd.Process.Signal(syscall.Signal(0)) != nil
+}
+
+// kill9 kills the server the hard way: no shutdown, no final flush.
+func (s *server) kill9() {
+	s.cmd.Process.Kill()
+	s.cmd.Wait()
 }
 
 // stop sends SIGTERM and requires a clean exit: graceful shutdown is

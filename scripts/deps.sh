@@ -9,6 +9,9 @@ pkgs=(
   python3-libnbd # nbdsh's python binding
   nbdkit         # peer server for the bench
   qemu-utils     # qemu-io, qemu-img
+  ceph-mon ceph-osd ceph-common # the dev cluster (scripts/ceph-dev-cluster), rbd tool
+  librbd-dev librados-dev       # cgo headers and libraries for rbdio
+  gcc libc6-dev                 # cgo
   ca-certificates
 )
 missing=()
