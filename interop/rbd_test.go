@@ -3,11 +3,13 @@ package interop
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -232,4 +234,56 @@ func TestRBDBadInput(t *testing.T) {
 			t.Errorf("%v: key leaked into stderr", tc.args)
 		}
 	}
+}
+
+// TestRBDOSDOutage: the only OSD stops answering for 10 s in the middle of
+// a verified write run. Requests wait and then complete: no I/O error, no
+// verify error. The run is bounded; it fails rather than hangs.
+func TestRBDOSDOutage(t *testing.T) {
+	need(t, "fio")
+	c := needCeph(t)
+	img := newRBDImage(t, c, "64M")
+	s := serveEnv(t, c.Env(), false, img)
+	pid, err := c.OSDPid()
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		time.Sleep(2 * time.Second)
+		syscall.Kill(pid, syscall.SIGSTOP)
+		time.Sleep(10 * time.Second)
+		syscall.Kill(pid, syscall.SIGCONT)
+	}()
+	t.Cleanup(func() { syscall.Kill(pid, syscall.SIGCONT) })
+	out := run(t, "fio", "--name=outage", "--ioengine=nbd", "--uri="+s.uri, "--rw=randwrite", "--bs=4k",
+		"--iodepth=16", "--size=32M", "--rate_iops=1500", "--verify=crc32c", "--do_verify=1",
+		"--verify_fatal=1", "--output-format=json")
+	var res struct {
+		Jobs []struct {
+			Error int `json:"error"`
+			Write struct {
+				IOBytes int64 `json:"io_bytes"`
+				Clat    struct {
+					Max float64 `json:"max"`
+				} `json:"clat_ns"`
+			} `json:"write"`
+			Read struct {
+				IOBytes int64 `json:"io_bytes"`
+			} `json:"read"`
+		} `json:"jobs"`
+	}
+	if i := strings.IndexByte(out, '{'); i >= 0 {
+		out = out[i:]
+	}
+	if err := json.Unmarshal([]byte(out), &res); err != nil {
+		t.Fatal(err)
+	}
+	j := res.Jobs[0]
+	if j.Error != 0 || j.Write.IOBytes != 32<<20 || j.Read.IOBytes != 32<<20 {
+		t.Fatalf("error %d, wrote %d, verified %d", j.Error, j.Write.IOBytes, j.Read.IOBytes)
+	}
+	if j.Write.Clat.Max < 5e9 {
+		t.Fatalf("longest write took %.1fs: the outage did not hit the run", j.Write.Clat.Max/1e9)
+	}
+	t.Logf("longest write waited %.1fs through the outage", j.Write.Clat.Max/1e9)
 }

@@ -100,3 +100,14 @@ func repoRoot() (string, error) {
 		dir = parent
 	}
 }
+
+// OSDPid is the process id of the cluster's OSD.
+func (c *Cluster) OSDPid() (int, error) {
+	b, err := os.ReadFile(filepath.Join(c.Dir, "run", "osd.pid"))
+	if err != nil {
+		return 0, err
+	}
+	var pid int
+	_, err = fmt.Sscan(string(b), &pid)
+	return pid, err
+}
