@@ -1,36 +1,62 @@
 #!/usr/bin/env bash
-# make run: serve a sparse 1 GiB file over NBD on a unix socket, prove it
-# works with real clients, then keep serving until Ctrl-C.
+# make run: serve an RBD image over NBD, prove it end to end, keep serving.
+# With CEPH_CONF pointing at a cluster, that cluster is used; otherwise a
+# local dev cluster is started in $RBD_NBD_GO_RUN_DIR (and stopped on exit).
 set -euo pipefail
 bin=${1:-bin/rbd-nbd-go}
+here=$(cd "$(dirname "$0")" && pwd)
 state=${RBD_NBD_GO_RUN_DIR:-/tmp/rbd-nbd-go-run}
 mkdir -p "$state"
 chmod 700 "$state"
-disk=$state/disk.img
 sock=$state/nbd.sock
-[ -f "$disk" ] || truncate -s 1G "$disk"
+image=${RBD_NBD_GO_IMAGE:-rbd/rbd-nbd-go-demo}
 uri="nbd+unix:///?socket=$sock"
 
-"$bin" serve --socket "$sock" --name "" "file:$disk" &
+started_cluster=""
+if [ -n "${CEPH_CONF:-}" ] && [ -f "$CEPH_CONF" ]; then
+  echo "== using the cluster in CEPH_CONF=$CEPH_CONF"
+else
+  echo "== starting a local dev Ceph cluster in $state/ceph"
+  CEPH_CONF=$("$here/ceph-dev-cluster" start "$state/ceph")
+  export CEPH_CONF
+  started_cluster=$state/ceph
+fi
+pid=""
+cleanup() {
+  [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null && wait "$pid" 2>/dev/null
+  [ -n "$started_cluster" ] && "$here/ceph-dev-cluster" stop "$started_cluster" && echo "== dev cluster stopped"
+  return 0
+}
+trap 'cleanup; exit 0' INT TERM
+trap cleanup EXIT
+
+rbd info "$image" >/dev/null 2>&1 || rbd create --size 1G "$image"
+echo "== serving $image on $sock"
+"$bin" serve --socket "$sock" "$image" &
 pid=$!
-trap 'kill -TERM $pid 2>/dev/null; wait $pid' INT TERM
-for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.05; done
+for _ in $(seq 200); do [ -S "$sock" ] && break; kill -0 "$pid" 2>/dev/null || exit 1; sleep 0.05; done
 [ -S "$sock" ] || { echo "server did not start" >&2; exit 1; }
 
-echo "== nbdinfo $uri"
-nbdinfo "$uri"
-echo "== write 4 MiB of pattern 0xa5 with qemu-io and read it back verified"
-qemu-io -f raw "$uri" -c 'write -P 0xa5 1M 4M' -c 'flush' -c 'read -P 0xa5 1M 4M' | grep -E 'wrote|read'
-echo "== the same bytes are in the backing file:"
-cmp <(head -c 4M /dev/zero | tr '\0' '\245') <(dd if="$disk" bs=1M skip=1 count=4 status=none) && echo "   $disk matches"
-echo "== allocation map (nbdinfo --map)"
-nbdinfo --map "$uri" | head -5
+nbdinfo "$uri" | sed 's/^/   /'
+echo "== writing 4 MiB of pattern 0xa5 at 1 MiB through NBD (qemu-io), with a flush"
+qemu-io -f raw "$uri" -c 'write -P 0xa5 1M 4M' -c 'flush' | grep -E '^wrote' | sed 's/^/   /'
+echo "== reading it back from Ceph with rbd export and comparing"
+rbd export "$image" "$state/export.raw" >/dev/null 2>&1
+if cmp <(head -c 4M /dev/zero | tr '\0' '\245') <(dd if="$state/export.raw" bs=1M skip=1 count=4 status=none); then
+  echo "   rbd export matches what was written through NBD"
+else
+  echo "   MISMATCH between NBD writes and rbd export" >&2
+  exit 1
+fi
+rm -f "$state/export.raw"
 cat <<MSG
 
-Serving $disk (pid $pid). Connect with, for example:
+Serving $image over NBD (pid $pid), cluster: $CEPH_CONF
+Connect with, for example:
   nbdinfo '$uri'
-  qemu-io -f raw '$uri' -c 'read -v 1M 64'
+  qemu-io -f raw '$uri' -c 'read -P 0xa5 1M 4M'
   fio --name=x --ioengine=nbd --uri='$uri' --rw=randread --bs=4k --iodepth=32 --runtime=10 --time_based
-Press Ctrl-C to stop (requests in flight finish, data is flushed).
+  CEPH_CONF=$CEPH_CONF rbd du $image
+Press Ctrl-C to stop: requests in flight finish, the server exits$( [ -n "$started_cluster" ] && echo ", and the dev cluster stops").
 MSG
-wait $pid
+wait "$pid"
