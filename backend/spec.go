@@ -72,6 +72,25 @@ func Open(spec string, o Options) (*Opened, error) {
 			return nil, err
 		}
 		return &Opened{Backend: im, Describe: "rbd " + is.String(), close: im.Close}, nil
+	case "rbd-sync":
+		// go-ceph's blocking calls on a worker pool: the bench's baseline
+		// for what the aio path buys. One worker per request in flight,
+		// as a goroutine-per-request design would have.
+		is, err := rbdio.ParseImageSpec(arg)
+		if err != nil {
+			return nil, err
+		}
+		if o.Clusters == nil {
+			return nil, errors.New("rbd spec without a cluster registry")
+		}
+		im, err := rbdio.OpenSync(o.Clusters, o.Ceph, is)
+		if err != nil {
+			return nil, err
+		}
+		p := nbd.NewPool(im, 128)
+		return &Opened{Backend: p, Describe: "rbd (go-ceph sync) " + is.String(), close: func() error {
+			return errors.Join(p.Close(), im.Close())
+		}}, nil
 	case "mem":
 		size, err := ParseSize(arg)
 		if err != nil {

@@ -38,7 +38,8 @@ func TestOpen(t *testing.T) {
 		t.Fatal(err)
 	}
 	for spec, want := range map[string]string{
-		"mem":              "want mem:SIZE",
+		"mem:":             "want [rbd:]pool/image",
+		"mem":              "without a cluster registry",
 		"mem:lots":         "bad size",
 		"nbd:pool/img":     "unknown kind",
 		"rbd:a/b/c/d":      "bad image spec",

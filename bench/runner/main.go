@@ -22,10 +22,16 @@ import (
 	"time"
 )
 
-// server is one contender: argv gets the socket path and export size.
+// server is one contender: an optional server process (argv, given the
+// socket path and export size) and the fio engine options that reach it.
 type server struct {
 	Name string
-	argv func(sock, size string) []string
+	argv func(sock, size string) []string // nil: fio talks to the storage itself
+	fio  func(sock string) []string
+}
+
+func nbdFio(sock string) []string {
+	return []string{"--ioengine=nbd", "--uri=nbd+unix:///?socket=" + sock}
 }
 
 type sample struct {
@@ -42,20 +48,24 @@ type sample struct {
 
 func main() {
 	bin := flag.String("bin", "bin/rbd-nbd-go", "rbd-nbd-go binary")
-	jobsDir := flag.String("jobs", "bench/jobs", "fio job files")
+	jobsDir := flag.String("jobs", "", "fio job files (default: the suite's)")
 	out := flag.String("out", "bench/results", "output directory")
 	runtime := flag.Int("runtime", envInt("BENCH_RUNTIME", 10), "seconds per job")
 	rounds := flag.Int("rounds", envInt("BENCH_ROUNDS", 2), "rounds (server order alternates)")
 	size := flag.String("size", "1G", "export size")
 	only := flag.String("only", os.Getenv("BENCH_JOBS"), "comma-separated job names (default all)")
 	rerender := flag.String("report", "", "re-render the report from this results.json instead of running")
+	suiteName := flag.String("suite", "nbd", "nbd: against nbdkit on memory; rbd: against direct librbd on a dev Ceph cluster")
 	flag.Parse()
 
-	servers := []server{
-		{"rbd-nbd-go", func(s, sz string) []string { return []string{*bin, "serve", "--socket", s, "mem:" + sz} }},
-		{"nbdkit-memory", func(s, sz string) []string { return []string{"nbdkit", "-f", "-U", s, "memory", sz} }},
-		{"nbdkit-null", func(s, sz string) []string { return []string{"nbdkit", "-f", "-U", s, "null", sz} }},
+	st, err := newSuite(*suiteName, *bin)
+	if err != nil {
+		log.Fatal(err)
 	}
+	if *jobsDir == "" {
+		*jobsDir = st.jobsDir
+	}
+	servers := st.servers
 	jobs, err := listJobs(*jobsDir, *only)
 	if err != nil {
 		log.Fatal(err)
@@ -87,13 +97,17 @@ func main() {
 		*rounds = 0 // nothing to run
 	}
 	for round := 1; round <= *rounds; round++ {
+		env, err := st.setup(tmp, *size)
+		if err != nil {
+			log.Fatalf("round %d setup: %v", round, err)
+		}
 		for _, job := range jobs {
 			order := slices.Clone(servers)
 			if round%2 == 0 {
 				slices.Reverse(order)
 			}
 			for _, srv := range order {
-				s, err := runOne(tmp, *jobsDir, job, srv, *size, *runtime)
+				s, err := runOne(tmp, env, *jobsDir, job, srv, *size, *runtime)
 				if err != nil {
 					log.Fatalf("%s on %s: %v", job, srv.Name, err)
 				}
@@ -103,8 +117,10 @@ func main() {
 				samples = append(samples, s)
 			}
 		}
+		st.teardown()
 	}
-	rep := summarize(samples, jobs, servers, "nbdkit-memory", "rbd-nbd-go")
+	rep := summarize(samples, jobs, servers, st.baseline, "rbd-nbd-go")
+	rep.Targets = st.targets
 	write := func(name string, b []byte) {
 		if err := os.WriteFile(filepath.Join(*out, name), b, 0o644); err != nil {
 			log.Fatal(err)
@@ -116,7 +132,7 @@ func main() {
 	js, _ := json.MarshalIndent(map[string]any{"runtime_s": *runtime, "rounds": *rounds,
 		"size": *size, "samples": samples, "summary": rep}, "", "  ")
 	write("results.json", js)
-	md := markdown(rep, *runtime, *rounds)
+	md := markdown(rep, st.title, *runtime, *rounds)
 	write("results.md", []byte(md))
 	write("chart.svg", []byte(chart(rep)))
 	fmt.Print(md)
@@ -165,45 +181,42 @@ func listJobs(dir, only string) ([]string, error) {
 
 // runOne starts srv, prefills for read jobs, runs the job, and reads the
 // server's CPU time from /proc around the job only.
-func runOne(tmp, jobsDir, job string, srv server, size string, runtime int) (sample, error) {
+func runOne(tmp string, env []string, jobsDir, job string, srv server, size string, runtime int) (sample, error) {
 	sock := filepath.Join(tmp, srv.Name+".sock")
 	os.Remove(sock)
-	argv := srv.argv(sock, size)
-	cmd := exec.Command(argv[0], argv[1:]...)
-	var serr bytes.Buffer
-	cmd.Stderr = &serr
-	if err := cmd.Start(); err != nil {
-		return sample{}, err
-	}
-	defer func() {
-		cmd.Process.Signal(syscall.SIGTERM)
-		done := make(chan struct{})
-		go func() { cmd.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(20 * time.Second):
-			cmd.Process.Kill()
-			<-done
+	pid := 0
+	if srv.argv != nil {
+		argv := srv.argv(sock, size)
+		cmd := exec.Command(argv[0], argv[1:]...)
+		cmd.Env = env
+		var serr bytes.Buffer
+		cmd.Stderr = &serr
+		if err := cmd.Start(); err != nil {
+			return sample{}, err
 		}
-	}()
-	if err := waitSocket(sock); err != nil {
-		return sample{}, fmt.Errorf("%v: %s", err, serr.String())
+		defer stopServer(cmd)
+		if err := waitSocket(sock); err != nil {
+			return sample{}, fmt.Errorf("%v: %s", err, serr.String())
+		}
+		pid = cmd.Process.Pid
 	}
-	env := append(os.Environ(), "URI=nbd+unix:///?socket="+sock, "SIZE="+size, "RUNTIME="+strconv.Itoa(runtime))
-	if strings.Contains(job, "read") {
-		if _, err := fio(env, filepath.Join(jobsDir, "prefill.fio"), runtime*20); err != nil {
+	env = append(env, "SIZE="+size, "RUNTIME="+strconv.Itoa(runtime))
+	engine := srv.fio(sock)
+	if strings.Contains(job, "read") && srv.argv != nil && !strings.Contains(srv.Name, "rbd") {
+		// Memory exports start empty; RBD images were prefilled at setup.
+		if _, err := fio(env, engine, filepath.Join(jobsDir, "prefill.fio"), runtime*20); err != nil {
 			return sample{}, fmt.Errorf("prefill: %w", err)
 		}
 	}
-	cpu0, err := cpuSeconds(cmd.Process.Pid)
+	cpu0, err := cpuSeconds(pid)
 	if err != nil {
 		return sample{}, err
 	}
-	res, err := fio(env, filepath.Join(jobsDir, job+".fio"), runtime*5+60)
+	res, err := fio(env, engine, filepath.Join(jobsDir, job+".fio"), runtime*5+60)
 	if err != nil {
 		return sample{}, err
 	}
-	cpu1, err := cpuSeconds(cmd.Process.Pid)
+	cpu1, err := cpuSeconds(pid)
 	if err != nil {
 		return sample{}, err
 	}
@@ -220,6 +233,18 @@ func runOne(tmp, jobsDir, job string, srv server, size string, runtime int) (sam
 		s.CPUusPerIO = s.CPUSec * 1e6 / float64(s.IOs)
 	}
 	return s, nil
+}
+
+func stopServer(cmd *exec.Cmd) {
+	cmd.Process.Signal(syscall.SIGTERM)
+	done := make(chan struct{})
+	go func() { cmd.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(20 * time.Second):
+		cmd.Process.Kill()
+		<-done
+	}
 }
 
 func waitSocket(sock string) error {
@@ -251,10 +276,11 @@ type fioResult struct {
 	} `json:"jobs"`
 }
 
-func fio(env []string, jobfile string, timeout int) (*fioResult, error) {
+func fio(env, engine []string, jobfile string, timeout int) (*fioResult, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(timeout)*time.Second)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, "fio", "--output-format=json", jobfile)
+	args := append(append([]string{"--output-format=json"}, engine...), jobfile)
+	cmd := exec.CommandContext(ctx, "fio", args...)
 	cmd.Env = env
 	var out, errb bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errb
@@ -277,8 +303,12 @@ func fio(env []string, jobfile string, timeout int) (*fioResult, error) {
 	return &r, nil
 }
 
-// cpuSeconds is utime+stime of pid (all its threads) from /proc/PID/stat.
+// cpuSeconds is utime+stime of pid (all its threads) from /proc/PID/stat;
+// 0 for pid 0 (no server process).
 func cpuSeconds(pid int) (float64, error) {
+	if pid == 0 {
+		return 0, nil
+	}
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
 	if err != nil {
 		return 0, err

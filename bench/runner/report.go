@@ -21,10 +21,11 @@ type jobSummary struct {
 }
 
 type report struct {
-	Baseline string       `json:"baseline"`
-	Subject  string       `json:"subject"`
-	Servers  []string     `json:"servers"`
-	Jobs     []jobSummary `json:"jobs"`
+	Targets  map[string]target `json:"targets"`
+	Baseline string            `json:"baseline"`
+	Subject  string            `json:"subject"`
+	Servers  []string          `json:"servers"`
+	Jobs     []jobSummary      `json:"jobs"`
 }
 
 func median(v []float64) float64 {
@@ -69,14 +70,10 @@ func summarize(samples []sample, jobs []string, servers []server, baseline, subj
 	return r
 }
 
-// targets from the issue: IOPS ≥ 1.0× nbdkit memory at 4k QD32 and 1M QD8,
-// server CPU per I/O ≤ 0.7× nbdkit's.
-var targetJobs = []string{"randread-4k-qd32", "randwrite-4k-qd32", "read-1m-qd8", "write-1m-qd8"}
-
-func markdown(r report, runtime, rounds int) string {
+func markdown(r report, title string, runtime, rounds int) string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "# NBD server benchmark\n\nfio `nbd` engine over a unix socket, 1 GiB export, %d s per job, "+
-		"median of %d rounds (server order alternating). Ratios: %s ÷ %s.\n\n", runtime, rounds, r.Subject, r.Baseline)
+	fmt.Fprintf(&b, "# Benchmark\n\n%s; %d s per job, median of %d rounds (order alternating). "+
+		"Ratios: %s ÷ %s.\n\n", title, runtime, rounds, r.Subject, r.Baseline)
 	b.WriteString("| job | server | IOPS | MiB/s | p99 µs | server CPU µs/IO |\n|---|---|---:|---:|---:|---:|\n")
 	for _, j := range r.Jobs {
 		for _, srv := range r.Servers {
@@ -87,9 +84,14 @@ func markdown(r report, runtime, rounds int) string {
 	b.WriteString("\n## Ratios and targets\n\n| job | IOPS ratio | CPU/IO ratio | target |\n|---|---:|---:|---|\n")
 	for _, j := range r.Jobs {
 		verdict := "—"
-		if slices.Contains(targetJobs, j.Job) {
-			ok := j.IOPSRatio >= 1.0 && j.CPURatio <= 0.7
-			verdict = map[bool]string{true: "met (IOPS ≥ 1.0×, CPU ≤ 0.7×)", false: "MISSED (IOPS ≥ 1.0×, CPU ≤ 0.7×)"}[ok]
+		if t, ok := r.Targets[j.Job]; ok {
+			met := j.IOPSRatio >= t.MinIOPS
+			want := fmt.Sprintf("IOPS ≥ %.2f×", t.MinIOPS)
+			if t.MaxCPU > 0 {
+				met = met && j.CPURatio <= t.MaxCPU
+				want += fmt.Sprintf(", CPU ≤ %.2f×", t.MaxCPU)
+			}
+			verdict = map[bool]string{true: "met", false: "MISSED"}[met] + " (" + want + ")"
 		}
 		fmt.Fprintf(&b, "| %s | %.2f× | %.2f× | %s |\n", j.Job, j.IOPSRatio, j.CPURatio, verdict)
 	}

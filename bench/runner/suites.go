@@ -1,0 +1,98 @@
+package main
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+)
+
+// suite is a set of contenders, the storage they share, and the targets
+// the subject (rbd-nbd-go) is held to against the baseline.
+type suite struct {
+	title    string
+	jobsDir  string
+	baseline string
+	servers  []server
+	targets  map[string]target
+	setup    func(tmp, size string) ([]string, error) // returns the environment
+	teardown func()
+}
+
+type target struct {
+	MinIOPS float64 `json:"min_iops_ratio"`
+	MaxCPU  float64 `json:"max_cpu_ratio,omitempty"` // 0: not a target
+}
+
+func newSuite(name, bin string) (*suite, error) {
+	switch name {
+	case "nbd":
+		t := target{MinIOPS: 1.0, MaxCPU: 0.7}
+		return &suite{
+			title:    "NBD server vs nbdkit: fio `nbd` engine over a unix socket, 1 GiB memory export",
+			jobsDir:  "bench/jobs",
+			baseline: "nbdkit-memory",
+			servers: []server{
+				{"rbd-nbd-go", func(s, sz string) []string { return []string{bin, "serve", "--socket", s, "mem:" + sz} }, nbdFio},
+				{"nbdkit-memory", func(s, sz string) []string { return []string{"nbdkit", "-f", "-U", s, "memory", sz} }, nbdFio},
+				{"nbdkit-null", func(s, sz string) []string { return []string{"nbdkit", "-f", "-U", s, "null", sz} }, nbdFio},
+			},
+			targets:  map[string]target{"randread-4k-qd32": t, "randwrite-4k-qd32": t, "read-1m-qd8": t, "write-1m-qd8": t},
+			setup:    func(string, string) ([]string, error) { return os.Environ(), nil },
+			teardown: func() {},
+		}, nil
+	case "rbd":
+		return rbdSuite(bin), nil
+	}
+	return nil, fmt.Errorf("unknown suite %q (nbd or rbd)", name)
+}
+
+// rbdSuite compares, on one dev cluster, fio's rbd engine (librbd direct:
+// the ceiling), fio → NBD → rbd-nbd-go → librbd aio, and the same over
+// go-ceph's synchronous calls. The memstore cluster is recreated every
+// round: its memory grows with every overwrite.
+func rbdSuite(bin string) *suite {
+	const image = "rbd/bench"
+	var dir string
+	st := &suite{
+		title:    "RBD: fio `rbd` engine (direct librbd) vs fio `nbd` → rbd-nbd-go → librbd, one-OSD memstore cluster, 1 GiB image",
+		jobsDir:  "bench/jobs-rbd",
+		baseline: "librbd-direct",
+		servers: []server{
+			{"librbd-direct", nil, func(string) []string {
+				return []string{"--ioengine=rbd", "--pool=rbd", "--rbdname=bench", "--clientname=admin"}
+			}},
+			{"rbd-nbd-go", func(s, _ string) []string { return []string{bin, "serve", "--socket", s, image} }, nbdFio},
+			{"go-ceph-sync", func(s, _ string) []string {
+				return []string{bin, "serve", "--socket", s, "rbd-sync:" + image}
+			}, nbdFio},
+		},
+		targets: map[string]target{
+			"randread-4k-qd32": {MinIOPS: 0.90}, "randwrite-4k-qd32": {MinIOPS: 0.90},
+			"read-1m-qd8": {MinIOPS: 0.95}, "write-1m-qd8": {MinIOPS: 0.95},
+		},
+	}
+	script := filepath.Join("scripts", "ceph-dev-cluster")
+	st.setup = func(tmp, size string) ([]string, error) {
+		dir = filepath.Join(tmp, "ceph")
+		out, err := exec.Command(script, "start", dir).Output()
+		if err != nil {
+			return nil, fmt.Errorf("dev cluster: %v", err)
+		}
+		env := append(os.Environ(), "CEPH_CONF="+strings.TrimSpace(string(out)))
+		create := exec.Command("rbd", "create", "--size", size, image)
+		create.Env = env
+		if out, err := create.CombinedOutput(); err != nil {
+			return nil, fmt.Errorf("rbd create: %v: %s", err, out)
+		}
+		// Fill the image once so reads hit real objects.
+		fillEnv := append(env, "SIZE="+size)
+		if _, err := fio(fillEnv, st.servers[0].fio(""), filepath.Join(st.jobsDir, "prefill.fio"), 600); err != nil {
+			return nil, fmt.Errorf("prefill: %w", err)
+		}
+		return env, nil
+	}
+	st.teardown = func() { exec.Command(script, "stop", dir).Run(); os.RemoveAll(dir) }
+	return st
+}
