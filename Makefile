@@ -34,11 +34,14 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz FuzzHandshake -fuzztime 30s ./nbd/
 	$(GO) test -run '^$$' -fuzz FuzzTransmission -fuzztime 30s ./nbd/
 
-# fio against rbd-nbd-go, nbdkit memory and nbdkit null; results in bench/results/.
+# Go benchmarks (allocations), then fio: rbd-nbd-go vs nbdkit memory/null
+# (bench/results/nbd) and vs direct librbd and go-ceph's sync path on a dev
+# Ceph cluster (bench/results/rbd). JSON, Markdown table and SVG chart each.
 bench: deps build
 	mkdir -p bench/results
-	$(GO) test -run '^$$' -bench . -benchmem ./nbd/ | tee bench/results/go-bench.txt
-	$(GO) run ./bench/runner -bin $(BIN) -out bench/results
+	$(GO) test -run '^$$' -bench . -benchmem ./nbd/ ./rbdio/ | tee bench/results/go-bench.txt
+	$(GO) run ./bench/runner -suite nbd -bin $(BIN) -out bench/results/nbd
+	$(GO) run ./bench/runner -suite rbd -bin $(BIN) -out bench/results/rbd
 
 # Serve a file-backed export on a unix socket and show it working.
 run: deps build

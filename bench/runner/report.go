@@ -93,7 +93,11 @@ func markdown(r report, title string, runtime, rounds int) string {
 			}
 			verdict = map[bool]string{true: "met", false: "MISSED"}[met] + " (" + want + ")"
 		}
-		fmt.Fprintf(&b, "| %s | %.2f× | %.2f× | %s |\n", j.Job, j.IOPSRatio, j.CPURatio, verdict)
+		cpu := "—" // baseline without a server process of its own
+		if j.CPURatio > 0 {
+			cpu = fmt.Sprintf("%.2f×", j.CPURatio)
+		}
+		fmt.Fprintf(&b, "| %s | %.2f× | %s | %s |\n", j.Job, j.IOPSRatio, cpu, verdict)
 	}
 	return b.String()
 }
