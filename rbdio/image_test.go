@@ -350,3 +350,42 @@ func TestIOBeyondShrunkEnd(t *testing.T) {
 		}
 	}
 }
+
+func TestBlockStatus(t *testing.T) {
+	spec := newImage(t, "16M") // 4 MiB objects, fast-diff by default
+	im := open(t, NewClusters(), spec, OpenOptions{})
+	if im.Caps()&nbd.CapBlockStatus == 0 {
+		t.Fatal("block status not offered on a fast-diff image")
+	}
+	for _, off := range []uint64{0, 9 << 20} {
+		if err := do(t, im, nbd.OpWrite, 0, off, make([]byte, 4096), 4096); err != nil {
+			t.Fatal(err)
+		}
+	}
+	r := &nbd.Request{Op: nbd.OpBlockStatus, Length: 16 << 20}
+	if err := nbd.Do(im, r); err != nil {
+		t.Fatal(err)
+	}
+	hz := uint32(nbd.StateHole | nbd.StateZero)
+	want := []nbd.Extent{{Length: 4 << 20}, {Length: 4 << 20, Flags: hz}, {Length: 4 << 20}, {Length: 4 << 20, Flags: hz}}
+	if fmt.Sprint(r.Extents) != fmt.Sprint(want) {
+		t.Fatalf("extents %v, want %v", r.Extents, want)
+	}
+}
+
+// Several images on one Clusters share one RADOS connection.
+func TestConnectionShared(t *testing.T) {
+	cl := NewClusters()
+	open(t, cl, newImage(t, "4M"), OpenOptions{})
+	open(t, cl, newImage(t, "4M"), OpenOptions{})
+	cl.mu.Lock()
+	defer cl.mu.Unlock()
+	if len(cl.conns) != 1 {
+		t.Fatalf("%d connections for one identity", len(cl.conns))
+	}
+	for _, ref := range cl.conns {
+		if ref.refs != 2 {
+			t.Fatalf("refs %d", ref.refs)
+		}
+	}
+}
