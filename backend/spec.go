@@ -59,12 +59,9 @@ func Open(spec string, o Options) (*Opened, error) {
 	}
 	switch kind {
 	case "rbd":
-		is, err := rbdio.ParseImageSpec(arg)
+		is, err := rbdSpec(arg, o)
 		if err != nil {
 			return nil, err
-		}
-		if o.Clusters == nil {
-			return nil, errors.New("rbd spec without a cluster registry")
 		}
 		im, err := rbdio.Open(o.Clusters, o.Ceph, is, rbdio.OpenOptions{
 			ReadOnly: readOnly, Exclusive: o.Exclusive, OnResize: o.OnResize})
@@ -76,12 +73,9 @@ func Open(spec string, o Options) (*Opened, error) {
 		// go-ceph's blocking calls on a worker pool: the bench's baseline
 		// for what the aio path buys. One worker per request in flight,
 		// as a goroutine-per-request design would have.
-		is, err := rbdio.ParseImageSpec(arg)
+		is, err := rbdSpec(arg, o)
 		if err != nil {
 			return nil, err
-		}
-		if o.Clusters == nil {
-			return nil, errors.New("rbd spec without a cluster registry")
 		}
 		im, err := rbdio.OpenSync(o.Clusters, o.Ceph, is)
 		if err != nil {
@@ -113,6 +107,13 @@ func Open(spec string, o Options) (*Opened, error) {
 		}}, nil
 	}
 	return nil, fmt.Errorf("bad spec %q: unknown kind %q (want rbd, mem or file)", spec, kind)
+}
+
+func rbdSpec(arg string, o Options) (rbdio.ImageSpec, error) {
+	if o.Clusters == nil {
+		return rbdio.ImageSpec{}, errors.New("rbd spec without a cluster registry")
+	}
+	return rbdio.ParseImageSpec(arg)
 }
 
 // ParseSize reads sizes like 4096, 512K, 64M, 1G, 2T, 1GiB (binary units).

@@ -197,25 +197,7 @@ func TestFioVerify(t *testing.T) {
 		} {
 			args := append([]string{"--name=verify", "--ioengine=nbd", "--uri=" + s.uri,
 				"--verify=crc32c", "--do_verify=1", "--verify_fatal=1", "--output-format=json"}, job...)
-			out := run(t, "fio", args...)
-			var res struct {
-				Jobs []struct {
-					Error int `json:"error"`
-					Write struct {
-						IOBytes int64 `json:"io_bytes"`
-					} `json:"write"`
-					Read struct {
-						IOBytes int64 `json:"io_bytes"`
-					} `json:"read"`
-				} `json:"jobs"`
-			}
-			if i := strings.IndexByte(out, '{'); i >= 0 {
-				out = out[i:]
-			}
-			if err := json.Unmarshal([]byte(out), &res); err != nil {
-				t.Fatalf("fio json: %v", err)
-			}
-			for _, j := range res.Jobs {
+			for _, j := range fioJobs(t, run(t, "fio", args...)) {
 				if j.Error != 0 || j.Write.IOBytes == 0 || j.Read.IOBytes != j.Write.IOBytes {
 					t.Fatalf("tcp=%v %v: error %d, wrote %d, verified %d", tcp, job, j.Error, j.Write.IOBytes, j.Read.IOBytes)
 				}
@@ -230,4 +212,30 @@ func TestSocketActivation(t *testing.T) {
 	if strings.TrimSpace(out) != fmt.Sprint(3<<20) {
 		t.Fatalf("size via socket activation: %q", out)
 	}
+}
+
+type fioJob struct {
+	Error int `json:"error"`
+	Write struct {
+		IOBytes int64 `json:"io_bytes"`
+		Clat    struct {
+			Max float64 `json:"max"`
+		} `json:"clat_ns"`
+	} `json:"write"`
+	Read struct {
+		IOBytes int64 `json:"io_bytes"`
+	} `json:"read"`
+}
+
+// fioJobs parses fio's JSON output (the nbd engine prints a line first).
+func fioJobs(t *testing.T, out string) []fioJob {
+	t.Helper()
+	if i := strings.IndexByte(out, '{'); i >= 0 {
+		out = out[i:]
+	}
+	var res struct{ Jobs []fioJob }
+	if err := json.Unmarshal([]byte(out), &res); err != nil || len(res.Jobs) == 0 {
+		t.Fatalf("fio json: %v", err)
+	}
+	return res.Jobs
 }

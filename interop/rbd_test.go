@@ -3,7 +3,6 @@ package interop
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
@@ -258,27 +257,7 @@ func TestRBDOSDOutage(t *testing.T) {
 	out := run(t, "fio", "--name=outage", "--ioengine=nbd", "--uri="+s.uri, "--rw=randwrite", "--bs=4k",
 		"--iodepth=16", "--size=32M", "--rate_iops=1500", "--verify=crc32c", "--do_verify=1",
 		"--verify_fatal=1", "--output-format=json")
-	var res struct {
-		Jobs []struct {
-			Error int `json:"error"`
-			Write struct {
-				IOBytes int64 `json:"io_bytes"`
-				Clat    struct {
-					Max float64 `json:"max"`
-				} `json:"clat_ns"`
-			} `json:"write"`
-			Read struct {
-				IOBytes int64 `json:"io_bytes"`
-			} `json:"read"`
-		} `json:"jobs"`
-	}
-	if i := strings.IndexByte(out, '{'); i >= 0 {
-		out = out[i:]
-	}
-	if err := json.Unmarshal([]byte(out), &res); err != nil {
-		t.Fatal(err)
-	}
-	j := res.Jobs[0]
+	j := fioJobs(t, out)[0]
 	if j.Error != 0 || j.Write.IOBytes != 32<<20 || j.Read.IOBytes != 32<<20 {
 		t.Fatalf("error %d, wrote %d, verified %d", j.Error, j.Write.IOBytes, j.Read.IOBytes)
 	}

@@ -76,6 +76,25 @@ func (c *Clusters) get(o Options) (*rados.Conn, func(), error) {
 	return conn, c.releaser(o, ref), nil
 }
 
+// ioctx opens spec's pool (and namespace) on the shared connection; the
+// release function destroys the ioctx and drops the connection reference.
+func (c *Clusters) ioctx(o Options, spec ImageSpec) (*rados.IOContext, func(), error) {
+	conn, release, err := c.get(o)
+	if err != nil {
+		return nil, nil, err
+	}
+	ioctx, err := conn.OpenIOContext(spec.Pool)
+	if err != nil {
+		release()
+		if cephErrno(err) == syscall.ENOENT {
+			return nil, nil, fmt.Errorf("pool %q does not exist", spec.Pool)
+		}
+		return nil, nil, fmt.Errorf("pool %q: %w", spec.Pool, err)
+	}
+	ioctx.SetNamespace(spec.Namespace)
+	return ioctx, func() { ioctx.Destroy(); release() }, nil
+}
+
 func (c *Clusters) releaser(o Options, ref *clusterRef) func() {
 	var once sync.Once
 	return func() {

@@ -66,21 +66,12 @@ type slot struct {
 
 // Open opens spec on the cluster described by o.
 func Open(clusters *Clusters, o Options, spec ImageSpec, oo OpenOptions) (*Image, error) {
-	conn, release, err := clusters.get(o)
+	ioctx, release, err := clusters.ioctx(o, spec)
 	if err != nil {
 		return nil, err
 	}
-	ioctx, err := conn.OpenIOContext(spec.Pool)
-	if err != nil {
-		release()
-		if cephErrno(err) == syscall.ENOENT {
-			return nil, fmt.Errorf("pool %q does not exist", spec.Pool)
-		}
-		return nil, fmt.Errorf("pool %q: %w", spec.Pool, err)
-	}
-	ioctx.SetNamespace(spec.Namespace)
 	im := &Image{spec: spec, readOnly: oo.ReadOnly || spec.Snap != "", onResize: oo.OnResize,
-		efd: -1, wfd: -1, release: func() { ioctx.Destroy(); release() }}
+		efd: -1, wfd: -1, release: release}
 	im.idle.L = &im.mu
 	if im.img, err = openImage(ioctx, spec.Image, spec.Snap, im.readOnly); err != nil {
 		im.release()

@@ -1,10 +1,8 @@
 package rbdio
 
 import (
-	"errors"
 	"fmt"
 
-	"github.com/ceph/go-ceph/rados"
 	"github.com/ceph/go-ceph/rbd"
 )
 
@@ -15,31 +13,23 @@ import (
 type SyncImage struct {
 	img     *rbd.Image
 	size    uint64
-	ioctx   *rados.IOContext
 	release func()
 }
 
 // OpenSync opens spec read-write through go-ceph.
 func OpenSync(clusters *Clusters, o Options, spec ImageSpec) (*SyncImage, error) {
-	conn, release, err := clusters.get(o)
+	ioctx, release, err := clusters.ioctx(o, spec)
 	if err != nil {
 		return nil, err
 	}
-	ioctx, err := conn.OpenIOContext(spec.Pool)
-	if err != nil {
-		release()
-		return nil, fmt.Errorf("pool %q: %w", spec.Pool, err)
-	}
-	ioctx.SetNamespace(spec.Namespace)
 	img, err := rbd.OpenImage(ioctx, spec.Image, spec.Snap)
 	if err == nil {
 		var size uint64
 		if size, err = img.GetSize(); err == nil {
-			return &SyncImage{img: img, size: size, ioctx: ioctx, release: release}, nil
+			return &SyncImage{img: img, size: size, release: release}, nil
 		}
 		img.Close()
 	}
-	ioctx.Destroy()
 	release()
 	return nil, fmt.Errorf("open image %s: %w", spec, err)
 }
@@ -55,7 +45,6 @@ func (s *SyncImage) Trim(off, n int64) error {
 
 func (s *SyncImage) Close() error {
 	err := s.img.Close()
-	s.ioctx.Destroy()
 	s.release()
-	return errors.Join(err)
+	return err
 }
