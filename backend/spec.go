@@ -110,10 +110,11 @@ func Open(spec string, o Options) (*Opened, error) {
 }
 
 func rbdSpec(arg string, o Options) (rbdio.ImageSpec, error) {
-	if o.Clusters == nil {
-		return rbdio.ImageSpec{}, errors.New("rbd spec without a cluster registry")
+	is, err := rbdio.ParseImageSpec(arg)
+	if err == nil && o.Clusters == nil {
+		err = errors.New("rbd spec without a cluster registry")
 	}
-	return rbdio.ParseImageSpec(arg)
+	return is, err
 }
 
 // ParseSize reads sizes like 4096, 512K, 64M, 1G, 2T, 1GiB (binary units).
