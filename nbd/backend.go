@@ -106,9 +106,6 @@ type Request struct {
 	Data []byte
 	// Extents is appended to by BLOCK_STATUS; starts empty with capacity.
 	Extents []Extent
-	// Tag is free for the backend's own bookkeeping (an index into its
-	// completion table, say) so that it needs no map or allocation.
-	Tag uintptr
 
 	cookie uint64
 	cmd    uint16 // command as received (DISC and unknown ones never reach a backend)

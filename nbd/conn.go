@@ -145,12 +145,12 @@ func (c *conn) readLoop() error {
 		r := c.acquire(payload)
 		r.cookie, r.cmd, r.cflags = be.Uint64(h[8:]), cmd, cflags
 		r.Offset, r.Length = be.Uint64(h[16:]), length
-		r.err, r.Extents, r.Data, r.Tag = nil, r.Extents[:0], nil, 0
+		r.err, r.Extents = nil, r.Extents[:0]
 		if e := c.check(r); e != 0 {
 			if cmd == cmdWrite {
 				// The payload is on the wire whatever we think of it.
 				if _, err := io.CopyN(io.Discard, c.br, int64(length)); err != nil {
-					c.recycleOne(r)
+					c.recycle([]*Request{r})
 					return err
 				}
 			}
@@ -166,7 +166,7 @@ func (c *conn) readLoop() error {
 					c.kick() // the payload read will block
 				}
 				if _, err := io.ReadFull(c.br, r.Data); err != nil {
-					c.recycleOne(r)
+					c.recycle([]*Request{r})
 					return err
 				}
 			}
@@ -279,18 +279,9 @@ func (c *conn) recycle(batch []*Request) {
 	clear(batch)
 }
 
-func (c *conn) recycleOne(r *Request) {
-	c.releaseBuf(r)
-	c.mu.Lock()
-	c.bytes -= r.held
-	c.free = append(c.free, r)
-	c.mu.Unlock()
-}
-
 func (c *conn) releaseBuf(r *Request) {
 	if r.buf != nil {
 		c.srv.bufs.put(r.buf)
 		r.buf, r.Data = nil, nil
 	}
-	r.Tag = 0
 }

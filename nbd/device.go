@@ -133,7 +133,7 @@ func (s *syncBackend) run(r *Request) {
 		} else if r.Flags&ReqFastZero != 0 {
 			err = ErrNotSupported
 		} else {
-			err = writeZeroes(s.dev, off, n)
+			err = WriteZeroes(s.dev, off, n)
 		}
 		if err == nil {
 			err = s.fuaFlush(r)
@@ -157,7 +157,9 @@ func (s *syncBackend) fuaFlush(r *Request) error {
 
 var zeroPage [64 << 10]byte // read-only source for emulated write-zeroes
 
-func writeZeroes(w io.WriterAt, off, n int64) error {
+// WriteZeroes writes n zero bytes at off: the fallback for devices that
+// cannot zero a range natively.
+func WriteZeroes(w io.WriterAt, off, n int64) error {
 	for n > 0 {
 		c := min(n, int64(len(zeroPage)))
 		if _, err := w.WriteAt(zeroPage[:c], off); err != nil {

@@ -126,7 +126,6 @@ const (
 	errOverflow  = 75
 	errNotSup    = 95
 	errShutdown  = 108
-	blockStatOK  = 0
 	StateHole    = 1 << 0 // base:allocation: extent is not allocated
 	StateZero    = 1 << 1 // base:allocation: extent reads as zeroes
 	maxExtentsRe = 1024   // cap on descriptors per BLOCK_STATUS reply

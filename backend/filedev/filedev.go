@@ -128,15 +128,7 @@ func (d *Device) Zero(off, n int64, noHole, fast bool) error {
 	if fast {
 		return nbd.ErrNotSupported
 	}
-	var zero [64 << 10]byte
-	for n > 0 {
-		c := min(n, int64(len(zero)))
-		if _, err := d.f.WriteAt(zero[:c], off); err != nil {
-			return err
-		}
-		off, n = off+c, n-c
-	}
-	return nil
+	return nbd.WriteZeroes(d.f, off, n)
 }
 
 func (d *Device) fallocate(mode uint32, off, n int64) error {
