@@ -12,6 +12,7 @@ pkgs=(
   ceph-mon ceph-osd ceph-common # the dev cluster (scripts/ceph-dev-cluster), rbd tool
   librbd-dev librados-dev       # cgo headers and libraries for rbdio
   gcc libc6-dev                 # cgo
+  mount                         # losetup, for the block-device test
   ca-certificates
 )
 missing=()
