@@ -3,6 +3,7 @@ package rbdio
 import (
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"strconv"
 	"sync"
@@ -13,19 +14,36 @@ import (
 )
 
 // Options are the usual Ceph client inputs, named as Ceph names them.
-// Keys are only ever passed by file (keyring, keyfile), never as values,
-// so they cannot leak into argv or logs.
+// On the command line keys are only taken by file (keyring, keyfile),
+// never as values, so they cannot leak into argv. Key carries a secret
+// already read from a keyfile (the node daemon gets it over its 0600
+// control socket, because callers such as ceph-csi delete the keyfile
+// right after the map); String and LogValue never show it.
 type Options struct {
-	Conf    string // -c/--conf; default $CEPH_CONF, then Ceph's own search
-	MonHost string // -m/--mon-host
-	ID      string // --id: client name without "client.", default "admin"
-	Keyring string // --keyring
-	Keyfile string // --keyfile: a file holding the bare secret
+	Conf    string `json:"conf,omitempty"`     // -c/--conf; default $CEPH_CONF, then Ceph's own search
+	MonHost string `json:"mon_host,omitempty"` // -m/--mon-host
+	ID      string `json:"id,omitempty"`       // --id: client name without "client.", default "admin"
+	Keyring string `json:"keyring,omitempty"`  // --keyring
+	Keyfile string `json:"keyfile,omitempty"`  // --keyfile: a file holding the bare secret
+	Key     string `json:"key,omitempty"`      // the bare secret itself
 	// OpTimeout bounds each RADOS operation (rados osd/mon op timeout)
 	// and the initial connection; 0 means 30s. A blocked librbd call
 	// would otherwise wait forever.
-	OpTimeout time.Duration
+	OpTimeout time.Duration `json:"op_timeout,omitempty"`
 }
+
+// String describes the identity without the secret.
+func (o Options) String() string {
+	key := ""
+	if o.Key != "" {
+		key = " key=<redacted>"
+	}
+	return fmt.Sprintf("client.%s mon_host=%q conf=%q keyring=%q keyfile=%q%s",
+		o.id(), o.MonHost, o.Conf, o.Keyring, o.Keyfile, key)
+}
+
+// LogValue keeps the secret out of structured logs.
+func (o Options) LogValue() slog.Value { return slog.StringValue(o.String()) }
 
 func (o Options) id() string {
 	if o.ID == "" {
@@ -144,8 +162,11 @@ func connect(o Options) (*rados.Conn, error) {
 	if o.Keyring != "" {
 		set = append(set, struct{ k, v string }{"keyring", o.Keyring})
 	}
-	if o.Keyfile != "" {
+	if o.Keyfile != "" && o.Key == "" {
 		set = append(set, struct{ k, v string }{"keyfile", o.Keyfile})
+	}
+	if o.Key != "" {
+		set = append(set, struct{ k, v string }{"key", o.Key})
 	}
 	for _, s := range set {
 		if err := conn.SetConfigOption(s.k, s.v); err != nil {

@@ -23,6 +23,12 @@ type OpenOptions struct {
 	// OnResize, if set, is called (from a background goroutine) with
 	// the new size after the image is resized.
 	OnResize func(size uint64)
+	// Encryption loads LUKS encryption right after opening.
+	Encryption Encryption
+	// OnQuiesce, if set, is called with true when a snapshot is about to
+	// be taken (librbd's quiesce watch) and with false once it is taken.
+	// The snapshot waits for the first call; its error fails the snapshot.
+	OnQuiesce func(quiesce bool) error
 }
 
 // Image serves one RBD image as an nbd.Backend over librbd's aio API.
@@ -55,6 +61,8 @@ type Image struct {
 	inflight int
 
 	release func() // cluster connection reference and ioctx
+
+	quiesce *quiescer
 }
 
 type slot struct {
@@ -94,6 +102,15 @@ func Open(clusters *Clusters, o Options, spec ImageSpec, oo OpenOptions) (*Image
 }
 
 func (im *Image) start(oo OpenOptions) error {
+	if oo.Encryption.Format != "" {
+		if err := oo.Encryption.Validate(); err != nil {
+			return err
+		}
+		if err := im.img.loadEncryption(oo.Encryption); err != nil {
+			return fmt.Errorf("image %s: load %s encryption (wrong passphrase, or not formatted?): %w",
+				im.spec, oo.Encryption.Format, err)
+		}
+	}
 	size, err := im.img.size()
 	if err != nil {
 		return fmt.Errorf("image %s: size: %w", im.spec, err)
@@ -122,6 +139,12 @@ func (im *Image) start(oo OpenOptions) error {
 	}
 	if im.watchHandle, err = im.img.updateWatch(im.wfd); err != nil {
 		return fmt.Errorf("image %s: update watch: %w", im.spec, err)
+	}
+	if oo.OnQuiesce != nil {
+		if im.quiesce, err = startQuiesce(im.img, im.spec, oo.OnQuiesce); err != nil {
+			im.img.updateUnwatch(im.watchHandle)
+			return err
+		}
 	}
 	im.reaped, im.watched = make(chan struct{}), make(chan struct{})
 	go im.reap()
@@ -334,7 +357,8 @@ func (im *Image) Close() error {
 	unix.Write(im.wfd, one)
 	<-im.reaped
 	<-im.watched
-	err := im.img.updateUnwatch(im.watchHandle)
+	err := im.quiesce.stop()
+	err = errors.Join(err, im.img.updateUnwatch(im.watchHandle))
 	err = errors.Join(err, im.img.close())
 	cs := make([]cSlot, len(im.slots))
 	for i, s := range im.slots {
