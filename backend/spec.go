@@ -26,6 +26,9 @@ type Options struct {
 	Clusters *rbdio.Clusters
 	// OnResize is told the new size when the image grows or shrinks.
 	OnResize func(size uint64)
+	// Encryption and OnQuiesce apply to RBD images (see rbdio.OpenOptions).
+	Encryption rbdio.Encryption
+	OnQuiesce  func(quiesce bool) error
 }
 
 // Opened is a ready backend and how to let it go.
@@ -54,8 +57,8 @@ func Open(spec string, o Options) (*Opened, error) {
 	if arg == "" {
 		return nil, fmt.Errorf("bad spec %q: want [rbd:]pool/image, mem:SIZE or file:PATH", spec)
 	}
-	if kind != "rbd" && o.Exclusive {
-		return nil, fmt.Errorf("--exclusive applies to RBD images only")
+	if kind != "rbd" && (o.Exclusive || o.Encryption.Format != "") {
+		return nil, fmt.Errorf("--exclusive and encryption apply to RBD images only")
 	}
 	switch kind {
 	case "rbd":
@@ -64,7 +67,8 @@ func Open(spec string, o Options) (*Opened, error) {
 			return nil, err
 		}
 		im, err := rbdio.Open(o.Clusters, o.Ceph, is, rbdio.OpenOptions{
-			ReadOnly: readOnly, Exclusive: o.Exclusive, OnResize: o.OnResize})
+			ReadOnly: readOnly, Exclusive: o.Exclusive, OnResize: o.OnResize,
+			Encryption: o.Encryption, OnQuiesce: o.OnQuiesce})
 		if err != nil {
 			return nil, err
 		}

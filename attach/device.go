@@ -1,0 +1,125 @@
+package attach
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/backend"
+	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
+)
+
+// served is one device's userspace half: the open backend and the NBD
+// server answering the kernel on our ends of the socketpairs.
+type served struct {
+	opened  *backend.Opened
+	srv     *nbd.Server
+	conns   sync.WaitGroup
+	started bool
+	ended   chan struct{} // closed when every connection has ended
+}
+
+// flags are the transmission flags the kernel is told through netlink:
+// what the backend can do, minus what the kernel must not send.
+func (s *served) flags(rec Record) uint64 {
+	exp := nbd.Export{Backend: s.opened.Backend, ReadOnly: rec.ReadOnly}
+	f := exp.Flags(false)
+	if rec.NoTrim {
+		f &^= nbd.FlagSendTrim
+	}
+	if rec.Connections <= 1 {
+		f &^= nbd.FlagCanMultiConn
+	}
+	return uint64(f)
+}
+
+// socketpairs returns n pairs: the kernel's ends and ours.
+func socketpairs(n int) (kernelEnds, ours []*os.File, err error) {
+	for range n {
+		fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			closeAll(kernelEnds)
+			closeAll(ours)
+			return nil, nil, fmt.Errorf("socketpair: %w", err)
+		}
+		kernelEnds = append(kernelEnds, os.NewFile(uintptr(fds[0]), "nbd-kernel"))
+		ours = append(ours, os.NewFile(uintptr(fds[1]), "nbd-server"))
+	}
+	return kernelEnds, ours, nil
+}
+
+func closeAll(fs []*os.File) {
+	for _, f := range fs {
+		f.Close()
+	}
+}
+
+// newServed opens rec's backend and an NBD server with one export.
+func newServed(rec Record, opts backend.Options, log *slog.Logger) (*served, error) {
+	opened, err := backend.Open(rec.Spec, opts)
+	if err != nil {
+		return nil, err
+	}
+	srv := nbd.NewServer(nbd.Config{Logger: log})
+	if err := srv.AddExport(nbd.Export{Description: opened.Describe, Backend: opened.Backend,
+		ReadOnly: rec.ReadOnly}); err != nil {
+		opened.Close()
+		return nil, err
+	}
+	if rec.Connections > 1 && opened.Backend.Caps()&nbd.CapMultiConn == 0 {
+		opened.Close()
+		return nil, fmt.Errorf("%s cannot be shared by %d connections", rec.Spec, rec.Connections)
+	}
+	return &served{opened: opened, srv: srv, ended: make(chan struct{})}, nil
+}
+
+// serve answers the kernel on each of our socket ends; ended closes once
+// all of them are gone (the kernel disconnected, or we shut down).
+func (s *served) serve(ours []*os.File, log *slog.Logger) error {
+	var ncs []net.Conn
+	for _, f := range ours {
+		nc, err := net.FileConn(f)
+		f.Close()
+		if err != nil {
+			for _, c := range ncs {
+				c.Close()
+			}
+			return err
+		}
+		ncs = append(ncs, nc)
+	}
+	for _, nc := range ncs {
+		s.conns.Add(1)
+		go func() {
+			defer s.conns.Done()
+			if err := s.srv.ServeNegotiated(nc, ""); err != nil && !errors.Is(err, nbd.ErrServerClosed) {
+				log.Warn("kernel connection ended", "err", err)
+			}
+		}()
+	}
+	if !s.started {
+		s.started = true
+		go func() { s.conns.Wait(); close(s.ended) }()
+	}
+	return nil
+}
+
+// stop finishes requests in flight (bounded by timeout), flushes and
+// closes the backend. The kernel's sockets end with it.
+func (s *served) stop(timeout time.Duration) error {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	err := s.srv.Shutdown(ctx)
+	if s.started {
+		<-s.ended
+	}
+	err = errors.Join(err, nbd.Flush(s.opened.Backend), s.opened.Close())
+	return err
+}

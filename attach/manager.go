@@ -1,0 +1,512 @@
+package attach
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/backend"
+	"github.com/rbd-nbd-go/rbd-nbd-go/kernel"
+	"github.com/rbd-nbd-go/rbd-nbd-go/rbdio"
+)
+
+// ErrNotMapped is returned by Unmap and Detach for a device or spec that
+// this node does not serve.
+var ErrNotMapped = errors.New("not mapped")
+
+// ErrBusy is returned by Unmap when the device is mounted or held open
+// exclusively.
+var ErrBusy = errors.New("device is busy")
+
+// Config wires a Manager to the system.
+type Config struct {
+	Kernel   kernel.Controller
+	Clusters *rbdio.Clusters
+	Store    *Store
+	Log      *slog.Logger
+	// SysBlock and Dev default to /sys/block and /dev; tests move them.
+	SysBlock, Dev string
+	// Quiesce runs a device's quiesce hook; nil uses RunQuiesceHook.
+	Quiesce func(rec Record, quiesce bool) error
+	// ReattachWait bounds how long a reattach waits for the kernel to
+	// notice the old connections are dead.
+	ReattachWait time.Duration
+}
+
+// Manager serves every NBD device of the node.
+type Manager struct {
+	cfg Config
+	log *slog.Logger
+
+	mu   sync.Mutex
+	devs map[int]*device
+}
+
+type device struct {
+	mu  sync.Mutex // serialises map/unmap/attach/detach/resize of this device
+	rec Record
+	s   *served // nil while detached
+}
+
+// NewManager returns a Manager with no devices; Restore takes back those
+// in the store.
+func NewManager(cfg Config) *Manager {
+	if cfg.SysBlock == "" {
+		cfg.SysBlock = "/sys/block"
+	}
+	if cfg.Dev == "" {
+		cfg.Dev = "/dev"
+	}
+	if cfg.Log == nil {
+		cfg.Log = slog.New(slog.DiscardHandler)
+	}
+	if cfg.Quiesce == nil {
+		cfg.Quiesce = RunQuiesceHook
+	}
+	if cfg.ReattachWait <= 0 {
+		cfg.ReattachWait = 10 * time.Second
+	}
+	return &Manager{cfg: cfg, log: cfg.Log, devs: map[int]*device{}}
+}
+
+func (m *Manager) backendOptions(d *device) backend.Options {
+	rec := d.rec
+	o := backend.Options{ReadOnly: rec.ReadOnly, Exclusive: rec.Exclusive, Ceph: rec.Ceph,
+		Clusters: m.cfg.Clusters, Encryption: rec.Encryption,
+		OnResize: func(size uint64) { m.resized(d, size) }}
+	if rec.Quiesce {
+		o.OnQuiesce = func(q bool) error { return m.cfg.Quiesce(d.recCopy(), q) }
+	}
+	return o
+}
+
+func (d *device) recCopy() Record {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.rec
+}
+
+func (r *Record) defaults() {
+	if r.Connections <= 0 {
+		r.Connections = 1
+	}
+	if r.BlockSize == 0 {
+		r.BlockSize = 4096
+	}
+	if r.ReattachTimeout <= 0 {
+		r.ReattachTimeout = 30 * time.Second
+	}
+}
+
+func (r Record) kernelConfig(flags, size uint64) kernel.Config {
+	return kernel.Config{Index: r.Index, Size: size, BlockSize: r.BlockSize, ServerFlags: flags,
+		Timeout: r.IOTimeout, DeadConnTimeout: r.ReattachTimeout, BackendID: r.Cookie}
+}
+
+// Map makes a new device for rec (rec.Index may be kernel.AnyIndex) and
+// returns its record. On any failure nothing is left behind.
+func (m *Manager) Map(rec Record) (Record, error) {
+	rec.defaults()
+	if rec.BlockSize&(rec.BlockSize-1) != 0 || rec.BlockSize < 512 || rec.BlockSize > 4096 {
+		return Record{}, fmt.Errorf("block size %d: want a power of two from 512 to 4096", rec.BlockSize)
+	}
+	if rec.Index != kernel.AnyIndex {
+		if m.get(rec.Index) != nil {
+			return Record{}, fmt.Errorf("%s is busy (already mapped)", rec.Device())
+		}
+	}
+	d := &device{rec: rec}
+	s, err := newServed(rec, m.backendOptions(d), m.log)
+	if err != nil {
+		return Record{}, err
+	}
+	kEnds, ours, err := socketpairs(rec.Connections)
+	if err != nil {
+		s.stop(time.Second)
+		return Record{}, err
+	}
+	size := s.opened.Backend.Size()
+	if size < rec.BlockSize {
+		closeAll(kEnds)
+		closeAll(ours)
+		s.stop(time.Second)
+		return Record{}, fmt.Errorf("%s: size %d is smaller than one block", rec.Spec, size)
+	}
+	// Serve first: the kernel may send I/O (partition scan) as soon as
+	// it is connected.
+	if err := s.serve(ours, m.log); err != nil {
+		closeAll(kEnds)
+		s.stop(time.Second)
+		return Record{}, err
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	index, err := m.cfg.Kernel.Connect(rec.kernelConfig(s.flags(rec), size), kEnds)
+	closeAll(kEnds)
+	if err != nil {
+		s.stop(time.Second)
+		return Record{}, err
+	}
+	d.rec.Index, d.s = index, s
+	undo := func(cause error) (Record, error) {
+		m.cfg.Kernel.Disconnect(index)
+		s.stop(5 * time.Second)
+		return Record{}, cause
+	}
+	m.mu.Lock()
+	if m.devs[index] != nil {
+		m.mu.Unlock()
+		return undo(fmt.Errorf("%s is already served here", d.rec.Device()))
+	}
+	m.devs[index] = d
+	m.mu.Unlock()
+	if err := m.cfg.Store.Save(d.rec); err != nil {
+		m.drop(index)
+		return undo(err)
+	}
+	m.tuneQueue(d.rec)
+	m.log.Info("mapped", "device", d.rec.Device(), "spec", rec.Spec, "connections", rec.Connections,
+		"size", size, "via", m.cfg.Kernel.Name())
+	return d.rec, nil
+}
+
+// tuneQueue raises max_sectors_kb so large I/O reaches us unsplit (the
+// kernel's default caps it at 1280 KiB; RBD objects are 4 MiB).
+func (m *Manager) tuneQueue(rec Record) {
+	if rec.MaxSectorsKB <= 0 {
+		return
+	}
+	q := filepath.Join(m.cfg.SysBlock, fmt.Sprintf("nbd%d", rec.Index), "queue")
+	want := rec.MaxSectorsKB
+	if b, err := os.ReadFile(filepath.Join(q, "max_hw_sectors_kb")); err == nil {
+		if hw, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && hw < want {
+			want = hw
+		}
+	}
+	if err := os.WriteFile(filepath.Join(q, "max_sectors_kb"), []byte(strconv.Itoa(want)), 0); err != nil {
+		m.log.Warn("cannot set max_sectors_kb", "device", rec.Device(), "err", err)
+	}
+}
+
+func (m *Manager) get(index int) *device {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.devs[index]
+}
+
+func (m *Manager) drop(index int) {
+	m.mu.Lock()
+	delete(m.devs, index)
+	m.mu.Unlock()
+}
+
+// resized follows the image: the kernel device takes the new size with no
+// remap.
+func (m *Manager) resized(d *device, size uint64) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.s == nil {
+		return
+	}
+	err := m.cfg.Kernel.Reconfigure(d.rec.Index, kernel.Reconfig{Size: size, BlockSize: d.rec.BlockSize,
+		BackendID: d.rec.Cookie}, nil)
+	if err != nil {
+		m.log.Error("resize of the kernel device failed", "device", d.rec.Device(), "size", size, "err", err)
+		return
+	}
+	m.log.Info("resized", "device", d.rec.Device(), "size", size)
+}
+
+// Find resolves a device path (/dev/nbdN) or a spec to a mapped device.
+func (m *Manager) Find(target string) (Record, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for _, d := range m.devs {
+		if d.rec.Device() == target || sameSpec(d.rec.Spec, target) {
+			return d.rec, nil
+		}
+	}
+	return Record{}, ErrNotMapped
+}
+
+// sameSpec compares specs as Ceph would: "img" is "rbd/img".
+func sameSpec(a, b string) bool {
+	if a == b {
+		return true
+	}
+	norm := func(s string) string {
+		s = strings.TrimPrefix(s, "rbd:")
+		if is, err := rbdio.ParseImageSpec(s); err == nil {
+			return is.String()
+		}
+		return s
+	}
+	return norm(a) == norm(b)
+}
+
+// Unmap flushes and disconnects a device and forgets it. A mounted (or
+// exclusively opened) device is refused with ErrBusy.
+func (m *Manager) Unmap(target string) error {
+	rec, err := m.Find(target)
+	if err != nil {
+		return err
+	}
+	d := m.get(rec.Index)
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	path := filepath.Join(m.cfg.Dev, fmt.Sprintf("nbd%d", rec.Index))
+	if f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_EXCL, 0); err == nil {
+		// Push the device's page cache down before the sockets go.
+		f.Sync()
+		f.Close()
+	} else if errors.Is(err, syscall.EBUSY) {
+		return fmt.Errorf("%s: %w (mounted or held open)", rec.Device(), ErrBusy)
+	}
+	derr := m.cfg.Kernel.Disconnect(rec.Index)
+	var serr error
+	if d.s != nil {
+		serr = d.s.stop(30 * time.Second)
+		d.s = nil
+	}
+	m.drop(rec.Index)
+	err = errors.Join(derr, serr, m.cfg.Store.Remove(rec.Index))
+	m.log.Info("unmapped", "device", rec.Device(), "spec", rec.Spec, "err", err)
+	return err
+}
+
+// Detach stops serving a device but leaves it in the kernel, waiting up
+// to its reattach timeout for Attach.
+func (m *Manager) Detach(target string) error {
+	rec, err := m.Find(target)
+	if err != nil {
+		return err
+	}
+	d := m.get(rec.Index)
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.s != nil {
+		err = d.s.stop(30 * time.Second)
+		d.s = nil
+	}
+	d.rec.Detached = true
+	return errors.Join(err, m.cfg.Store.Save(d.rec))
+}
+
+// Attach serves an existing kernel device again (after Detach, or after
+// this process restarted): new sockets replace the dead ones through
+// RECONFIGURE, which the kernel only accepts with the device's cookie.
+// Attaching a device that is already served with the same spec and
+// cookie is a no-op.
+func (m *Manager) Attach(rec Record) (Record, error) {
+	rec.defaults()
+	if rec.Index < 0 {
+		return Record{}, errors.New("attach needs --device")
+	}
+	if d := m.get(rec.Index); d != nil {
+		d.mu.Lock()
+		cur := d.rec
+		live := d.s != nil
+		d.mu.Unlock()
+		if !sameSpec(cur.Spec, rec.Spec) || (rec.Cookie != "" && cur.Cookie != rec.Cookie) {
+			return Record{}, fmt.Errorf("%s is mapped to %s (cookie %s)", cur.Device(), cur.Spec, cur.Cookie)
+		}
+		if live {
+			return cur, nil
+		}
+		// Reattach a detached device with its recorded options; the
+		// caller's credentials win (they may be fresher).
+		rec = mergeAttach(cur, rec)
+		m.drop(rec.Index)
+	}
+	st, err := m.cfg.Kernel.Status(rec.Index)
+	if err != nil {
+		return Record{}, fmt.Errorf("%s: %w", rec.Device(), err)
+	}
+	if !st.Connected {
+		return Record{}, fmt.Errorf("%s is not connected in the kernel (use map)", rec.Device())
+	}
+	if n := m.hwQueues(rec.Index); n > 0 {
+		rec.Connections = n
+	}
+	rec.Detached = false
+	d := &device{rec: rec}
+	s, err := newServed(rec, m.backendOptions(d), m.log)
+	if err != nil {
+		return Record{}, err
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if err := m.reattach(rec, s); err != nil {
+		s.stop(5 * time.Second)
+		return Record{}, err
+	}
+	d.s = s
+	m.mu.Lock()
+	m.devs[rec.Index] = d
+	m.mu.Unlock()
+	if err := m.cfg.Store.Save(d.rec); err != nil {
+		m.log.Error("attached, but the state was not saved", "device", rec.Device(), "err", err)
+	}
+	m.tuneQueue(rec)
+	m.log.Info("attached", "device", rec.Device(), "spec", rec.Spec, "connections", rec.Connections)
+	return d.rec, nil
+}
+
+func mergeAttach(cur, req Record) Record {
+	out := cur
+	if req.Ceph != (rbdio.Options{}) {
+		out.Ceph = req.Ceph
+	}
+	if req.Encryption.Format != "" {
+		out.Encryption = req.Encryption
+	}
+	return out
+}
+
+// reattach hands the kernel one new socket per dead connection. One
+// RECONFIGURE per socket: the kernel replaces dead sockets one by one
+// and stops at the first failure, so a batch could half-succeed.
+func (m *Manager) reattach(rec Record, s *served) error {
+	kEnds, ours, err := socketpairs(rec.Connections)
+	if err != nil {
+		return err
+	}
+	defer closeAll(kEnds)
+	if err := s.serve(ours, m.log); err != nil {
+		return err
+	}
+	size := s.opened.Backend.Size()
+	deadline := time.Now().Add(m.cfg.ReattachWait)
+	for i, k := range kEnds {
+		rc := kernel.Reconfig{BackendID: rec.Cookie, DeadConnTimeout: rec.ReattachTimeout}
+		if i == 0 {
+			rc.Size, rc.BlockSize = size, rec.BlockSize
+		}
+		for {
+			err = m.cfg.Kernel.Reconfigure(rec.Index, rc, []*os.File{k})
+			if err == nil {
+				break
+			}
+			if !errors.Is(err, syscall.ENOSPC) || time.Now().After(deadline) {
+				if i > 0 {
+					m.log.Warn("reattached fewer connections than the device had",
+						"device", rec.Device(), "attached", i, "want", len(kEnds), "err", err)
+					return nil
+				}
+				return err
+			}
+			// The kernel has not yet seen the old socket die.
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	return nil
+}
+
+// ReplaceDead gives a served device a fresh connection after the kernel
+// declared one dead (LINK_DEAD: a request timed out, or the socket
+// failed), so the device keeps all its queues.
+func (m *Manager) ReplaceDead(index int) {
+	d := m.get(index)
+	if d == nil {
+		return
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.s == nil {
+		return
+	}
+	kEnds, ours, err := socketpairs(1)
+	if err != nil {
+		return
+	}
+	defer closeAll(kEnds)
+	if err := d.s.serve(ours, m.log); err != nil {
+		return
+	}
+	err = m.cfg.Kernel.Reconfigure(index, kernel.Reconfig{BackendID: d.rec.Cookie}, kEnds)
+	m.log.Info("replaced a dead connection", "device", d.rec.Device(), "err", err)
+}
+
+// hwQueues counts the device's blk-mq hardware queues: one per
+// connection it was created with.
+func (m *Manager) hwQueues(index int) int {
+	ents, err := os.ReadDir(filepath.Join(m.cfg.SysBlock, fmt.Sprintf("nbd%d", index), "mq"))
+	if err != nil {
+		return 0
+	}
+	return len(ents)
+}
+
+// Restore takes back every device in the store that the kernel still
+// has, after a restart. Devices the kernel lost are forgotten.
+func (m *Manager) Restore() error {
+	recs, err := m.cfg.Store.Load()
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, rec := range recs {
+		if rec.Detached {
+			m.mu.Lock()
+			m.devs[rec.Index] = &device{rec: rec}
+			m.mu.Unlock()
+			continue
+		}
+		if strings.HasPrefix(rec.Spec, "mem:") {
+			// Its data died with the old process: serving an empty
+			// disk in its place would be silent corruption.
+			m.log.Warn("disconnecting a memory device lost with the previous process", "device", rec.Device())
+			m.cfg.Kernel.Disconnect(rec.Index)
+			m.cfg.Store.Remove(rec.Index)
+			continue
+		}
+		st, err := m.cfg.Kernel.Status(rec.Index)
+		if err != nil || !st.Connected {
+			m.log.Warn("forgetting a device the kernel no longer has", "device", rec.Device(), "spec", rec.Spec)
+			m.cfg.Store.Remove(rec.Index)
+			continue
+		}
+		if _, err := m.Attach(rec); err != nil {
+			errs = append(errs, fmt.Errorf("reattach %s: %w", rec.Device(), err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// List returns every device, ordered by index.
+func (m *Manager) List() []Record {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	out := make([]Record, 0, len(m.devs))
+	for _, d := range m.devs {
+		out = append(out, d.rec)
+	}
+	sortRecords(out)
+	return out
+}
+
+// Close stops serving every device but leaves them in the kernel, as a
+// crash would: the next process reattaches them.
+func (m *Manager) Close() error {
+	m.mu.Lock()
+	devs := m.devs
+	m.devs = map[int]*device{}
+	m.mu.Unlock()
+	var errs []error
+	for _, d := range devs {
+		d.mu.Lock()
+		if d.s != nil {
+			errs = append(errs, d.s.stop(30*time.Second))
+			d.s = nil
+		}
+		d.mu.Unlock()
+	}
+	return errors.Join(errs...)
+}
