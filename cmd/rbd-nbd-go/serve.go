@@ -27,7 +27,7 @@ type serveOpts struct {
 	cpuProfile           string
 }
 
-func newServe() *cobra.Command {
+func newServe(g *globalOpts) *cobra.Command {
 	var o serveOpts
 	cmd := &cobra.Command{
 		Use:   "serve [--socket PATH | --listen HOST:PORT] [--read-only] [--exclusive] [--name EXPORT] [Ceph options] SPEC",
@@ -45,7 +45,8 @@ by nbdinfo/nbdcopy "-- [ command ]". SIGINT/SIGTERM finish requests in
 flight, flush, and exit.`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			return runServe(cmd.Context(), logger(cmd), o, args[0])
+			o.ceph = g.ceph
+			return runServe(cmd.Context(), logger(g.logLevel), o, args[0])
 		},
 	}
 	f := cmd.Flags()
@@ -54,7 +55,6 @@ flight, flush, and exit.`,
 	f.StringVar(&o.name, "name", "", "export name (empty is the default export)")
 	f.BoolVar(&o.readOnly, "read-only", false, "refuse writes")
 	f.BoolVar(&o.exclusive, "exclusive", false, "take the RBD exclusive lock and keep it")
-	addCephFlags(f, &o.ceph)
 	f.DurationVar(&o.shutdownTimeout, "shutdown-timeout", 30*time.Second,
 		"how long to wait for requests in flight on shutdown")
 	f.StringVar(&o.cpuProfile, "cpu-profile", "", "write a Go CPU profile here until exit (development)")
@@ -63,9 +63,8 @@ flight, flush, and exit.`,
 	return cmd
 }
 
-func logger(cmd *cobra.Command) *slog.Logger {
+func logger(s string) *slog.Logger {
 	var lvl slog.Level
-	s, _ := cmd.Flags().GetString("log-level")
 	if err := lvl.UnmarshalText([]byte(s)); err != nil {
 		lvl = slog.LevelInfo
 	}

@@ -1,0 +1,344 @@
+package main
+
+import (
+	"crypto/rand"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"regexp"
+	"runtime"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/attach"
+	"github.com/rbd-nbd-go/rbd-nbd-go/backend"
+	"github.com/rbd-nbd-go/rbd-nbd-go/kernel"
+	"github.com/rbd-nbd-go/rbd-nbd-go/rbdio"
+)
+
+// mapOpts are rbd-nbd's map/attach options, with its names, plus ours.
+type mapOpts struct {
+	device                     string
+	readOnly, exclusive        bool
+	notrim                     bool
+	ioTimeout, reattachTimeout int
+	cookie                     string
+	showCookie                 bool
+	nbdsMax, maxPart           int
+	tryNetlink                 bool
+	quiesce                    bool
+	quiesceHook                string
+	encFormat, encPassFile     string
+	connections                int
+	blockSize                  uint64
+	maxSectorsKB               int
+}
+
+func addMapFlags(f *pflag.FlagSet, o *mapOpts) {
+	f.StringVar(&o.device, "device", "", "use this /dev/nbdN (default: let the kernel pick)")
+	f.BoolVar(&o.readOnly, "read-only", false, "map read-only")
+	f.BoolVar(&o.exclusive, "exclusive", false, "take the RBD exclusive lock and keep it")
+	f.BoolVar(&o.notrim, "notrim", false, "do not pass discards (TRIM) to the image")
+	f.IntVar(&o.ioTimeout, "io-timeout", 0, "seconds before the kernel aborts a request (0: never)")
+	f.IntVar(&o.ioTimeout, "timeout", 0, "old name of --io-timeout")
+	f.IntVar(&o.reattachTimeout, "reattach-timeout", 30, "seconds I/O waits for a restarted server before failing")
+	f.StringVar(&o.cookie, "cookie", "", "backend identifier checked on reattach (default: random UUID)")
+	f.BoolVar(&o.showCookie, "show-cookie", false, "print the cookie after the device path")
+	f.IntVar(&o.nbdsMax, "nbds_max", 0, "nbd module parameter, if this command loads the module")
+	f.IntVar(&o.maxPart, "max_part", 0, "nbd module parameter, if this command loads the module")
+	f.BoolVar(&o.tryNetlink, "try-netlink", false, "accepted for compatibility: netlink is always tried first")
+	f.BoolVar(&o.quiesce, "quiesce", false, "freeze the filesystem on the device around RBD snapshots")
+	f.StringVar(&o.quiesceHook, "quiesce-hook", "", "run HOOK DEVICE quiesce|unquiesce instead of fsfreeze")
+	f.StringVar(&o.encFormat, "encryption-format", "", "luks, luks1 or luks2: open with librbd client-side encryption")
+	f.StringVar(&o.encPassFile, "encryption-passphrase-file", "", "file holding the encryption passphrase")
+	f.IntVar(&o.connections, "connections", runtime.NumCPU(), "sockets (kernel queues) per device")
+	f.Uint64Var(&o.blockSize, "block-size", 4096, "logical block size: 512, 1024, 2048 or 4096")
+	f.IntVar(&o.maxSectorsKB, "max-sectors-kb", 4096, "largest request the kernel sends, in KiB (queue/max_sectors_kb)")
+	f.MarkHidden("timeout")
+}
+
+var devRE = regexp.MustCompile(`^/dev/nbd([0-9]+)$`)
+
+func deviceIndex(dev string) (int, error) {
+	m := devRE.FindStringSubmatch(dev)
+	if m == nil {
+		return 0, fmt.Errorf("bad device %q: want /dev/nbdN", dev)
+	}
+	return strconv.Atoi(m[1])
+}
+
+// record builds the daemon's device record, validating everything the
+// CLI can check before any device exists.
+func (o *mapOpts) record(g *globalOpts, spec string) (attach.Record, error) {
+	rec := attach.Record{Index: kernel.AnyIndex, Spec: spec, Cookie: o.cookie,
+		ReadOnly: o.readOnly, Exclusive: o.exclusive, NoTrim: o.notrim,
+		Connections: o.connections, BlockSize: o.blockSize, MaxSectorsKB: o.maxSectorsKB,
+		IOTimeout:       time.Duration(o.ioTimeout) * time.Second,
+		ReattachTimeout: time.Duration(o.reattachTimeout) * time.Second,
+		Quiesce:         o.quiesce || o.quiesceHook != "", QuiesceHook: o.quiesceHook}
+	if o.device != "" {
+		idx, err := deviceIndex(o.device)
+		if err != nil {
+			return rec, err
+		}
+		rec.Index = idx
+	}
+	if o.connections < 1 || o.connections > 64 {
+		return rec, fmt.Errorf("--connections %d: want 1 to 64", o.connections)
+	}
+	if o.ioTimeout < 0 || o.reattachTimeout < 0 {
+		return rec, errors.New("timeouts cannot be negative")
+	}
+	if err := checkSpec(spec); err != nil {
+		return rec, err
+	}
+	if rec.Cookie == "" {
+		rec.Cookie = newUUID()
+	}
+	var err error
+	if rec.Ceph, err = g.daemonCeph(); err != nil {
+		return rec, err
+	}
+	if o.encFormat != "" || o.encPassFile != "" {
+		if o.encPassFile == "" {
+			return rec, errors.New("--encryption-format needs --encryption-passphrase-file")
+		}
+		b, err := os.ReadFile(o.encPassFile)
+		if err != nil {
+			return rec, fmt.Errorf("passphrase file: %w", unwrapPath(err))
+		}
+		rec.Encryption = rbdio.Encryption{Format: o.encFormat, Passphrase: strings.TrimRight(string(b), "\n")}
+		if rec.Encryption.Format == "" {
+			rec.Encryption.Format = "luks"
+		}
+		if err := rec.Encryption.Validate(); err != nil {
+			return rec, err
+		}
+	}
+	return rec, nil
+}
+
+// checkSpec rejects malformed specs before the daemon is involved.
+func checkSpec(spec string) error {
+	kind, arg, ok := strings.Cut(spec, ":")
+	switch {
+	case !ok || kind == "rbd":
+		if !ok {
+			arg = spec
+		}
+		_, err := rbdio.ParseImageSpec(arg)
+		return err
+	case kind == "mem":
+		_, err := backend.ParseSize(arg)
+		return err
+	case kind == "file":
+		if arg == "" {
+			return errors.New("file: needs a path")
+		}
+		return nil
+	}
+	return fmt.Errorf("bad spec %q: want pool/[ns/]image[@snap], mem:SIZE or file:PATH", spec)
+}
+
+func newUUID() string {
+	var b [16]byte
+	rand.Read(b[:])
+	b[6] = b[6]&0x0f | 0x40
+	b[8] = b[8]&0x3f | 0x80
+	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:])
+}
+
+func newMap(g *globalOpts) *cobra.Command {
+	var o mapOpts
+	cmd := &cobra.Command{
+		Use:   "map [options] pool/[namespace/]image[@snap] | mem:SIZE | file:PATH",
+		Short: "Map a device to /dev/nbdX and print its path",
+		Long: `Map an RBD image (or mem:SIZE, file:PATH) to a kernel NBD device, served
+by this node's rbd-nbd-go daemon (started on first use; one process serves
+every device and shares one RADOS connection per cluster identity). Prints
+the device path once the device is live.`,
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			rec, err := o.record(g, args[0])
+			if err != nil {
+				return err
+			}
+			return deviceCall(g, o, attach.Request{Op: attach.OpMap, Record: &rec})
+		},
+	}
+	addMapFlags(cmd.Flags(), &o)
+	return cmd
+}
+
+func newAttach(g *globalOpts) *cobra.Command {
+	var o mapOpts
+	cmd := &cobra.Command{
+		Use:   "attach --device /dev/nbdN [--cookie C] [options] SPEC",
+		Short: "Serve an existing /dev/nbdN again (after detach or a restart)",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if o.device == "" {
+				return errors.New("attach needs --device /dev/nbdN")
+			}
+			cookie := o.cookie
+			rec, err := o.record(g, args[0])
+			if err != nil {
+				return err
+			}
+			rec.Cookie = cookie // no random default: it must match the device
+			return deviceCall(g, o, attach.Request{Op: attach.OpAttach, Record: &rec})
+		},
+	}
+	addMapFlags(cmd.Flags(), &o)
+	return cmd
+}
+
+func deviceCall(g *globalOpts, o mapOpts, req attach.Request) error {
+	resp, err := callDaemon(g, kernel.ModuleOptions{NbdsMax: o.nbdsMax, MaxPart: o.maxPart}, req, true)
+	if err == nil {
+		err = resp.Err()
+	}
+	if err != nil {
+		g.logOutcome(req.Op, req.Record.Spec, err)
+		return err
+	}
+	out := resp.Record.Device()
+	if o.showCookie {
+		out += " " + resp.Record.Cookie
+	}
+	g.logOutcome(req.Op, req.Record.Spec+" "+out, nil)
+	fmt.Println(out)
+	return nil
+}
+
+func targetCmd(g *globalOpts, use, short, op string) *cobra.Command {
+	return &cobra.Command{
+		Use:   use + " /dev/nbdN | SPEC",
+		Short: short,
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			target := args[0]
+			if strings.HasPrefix(target, "/dev/") {
+				if _, err := deviceIndex(target); err != nil {
+					return err
+				}
+			} else if err := checkSpec(target); err != nil {
+				return err
+			}
+			resp, err := callDaemon(g, kernel.ModuleOptions{}, attach.Request{Op: op, Target: target}, false)
+			if err == nil {
+				err = resp.Err()
+			}
+			g.logOutcome(op, target, err)
+			if errors.Is(err, attach.ErrNotMapped) || errors.Is(err, errNoDaemon) {
+				// Ceph's exact words: ceph-csi treats them as success.
+				return &exitError{code: exitNotMapped, msg: fmt.Sprintf("rbd-nbd: %s is not mapped", target)}
+			}
+			return err
+		},
+	}
+}
+
+func newUnmap(g *globalOpts) *cobra.Command {
+	return targetCmd(g, "unmap", "Flush and remove a mapped device", attach.OpUnmap)
+}
+
+func newDetach(g *globalOpts) *cobra.Command {
+	return targetCmd(g, "detach", "Stop serving a device but keep it, waiting for attach", attach.OpDetach)
+}
+
+// mapped is one line of list-mapped, with rbd-nbd's JSON field names.
+type mapped struct {
+	ID        int    `json:"id"`
+	Pool      string `json:"pool"`
+	Namespace string `json:"namespace"`
+	Image     string `json:"image"`
+	Snap      string `json:"snap"`
+	Device    string `json:"device"`
+	Cookie    string `json:"cookie"`
+}
+
+func toMapped(pid int, r attach.Record) mapped {
+	m := mapped{ID: pid, Device: r.Device(), Cookie: r.Cookie, Snap: "-", Image: r.Spec}
+	arg, isRBD := strings.CutPrefix(r.Spec, "rbd:")
+	if !strings.Contains(r.Spec, ":") {
+		arg, isRBD = r.Spec, true
+	}
+	if isRBD {
+		if is, err := rbdio.ParseImageSpec(arg); err == nil {
+			m.Pool, m.Namespace, m.Image = is.Pool, is.Namespace, is.Image
+			if is.Snap != "" {
+				m.Snap = is.Snap
+			}
+		}
+	}
+	return m
+}
+
+func newListMapped(g *globalOpts) *cobra.Command {
+	var format string
+	var pretty bool
+	cmd := &cobra.Command{
+		Use:   "list-mapped [--format plain|json] [--pretty-format]",
+		Short: "List mapped devices",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if format != "plain" && format != "json" {
+				return fmt.Errorf("bad --format %q: want plain or json", format)
+			}
+			resp, err := callDaemon(g, kernel.ModuleOptions{}, attach.Request{Op: attach.OpList}, false)
+			if err != nil && !errors.Is(err, errNoDaemon) {
+				return err
+			}
+			list := []mapped{}
+			for _, r := range resp.List {
+				if !r.Detached {
+					list = append(list, toMapped(resp.PID, r))
+				}
+			}
+			if format == "json" {
+				enc := json.NewEncoder(os.Stdout)
+				if pretty {
+					enc.SetIndent("", "    ")
+				}
+				return enc.Encode(list)
+			}
+			if len(list) == 0 {
+				return nil
+			}
+			tw := tabwriter.NewWriter(os.Stdout, 0, 8, 2, ' ', 0)
+			fmt.Fprintln(tw, "id\tpool\tnamespace\timage\tsnap\tdevice\tcookie")
+			for _, m := range list {
+				fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\t%s\n", m.ID, m.Pool, m.Namespace, m.Image, m.Snap, m.Device, m.Cookie)
+			}
+			return tw.Flush()
+		},
+	}
+	cmd.Flags().StringVar(&format, "format", "plain", "plain or json")
+	cmd.Flags().BoolVar(&pretty, "pretty-format", false, "indent JSON")
+	return cmd
+}
+
+// logOutcome appends one line to --log-file, as rbd-nbd's per-volume
+// log would get. Never the key: records are not logged.
+func (g *globalOpts) logOutcome(op, what string, err error) {
+	if g.logFile == "" {
+		return
+	}
+	f, ferr := os.OpenFile(g.logFile, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o600)
+	if ferr != nil {
+		return
+	}
+	defer f.Close()
+	res := "ok"
+	if err != nil {
+		res = "error: " + err.Error()
+	}
+	fmt.Fprintf(f, "%s rbd-nbd-go %s %s: %s\n", time.Now().Format(time.RFC3339), op, what, res)
+}
