@@ -177,7 +177,7 @@ func (n *Netlink) Connect(cfg Config, socks []*os.File) (int, error) {
 		ae.String(attrBackendID, cfg.BackendID)
 	}
 	encodeSockets(ae, socks)
-	msgs, err := n.execute(cmdConnect, ae)
+	msgs, err := n.execute(cmdConnect, ae, true)
 	if err != nil {
 		if cfg.Index != AnyIndex && errors.Is(err, syscall.EBUSY) {
 			return 0, fmt.Errorf("/dev/nbd%d is busy (already connected)", cfg.Index)
@@ -208,7 +208,7 @@ func (n *Netlink) Reconfigure(index int, rc Reconfig, socks []*os.File) error {
 	if len(socks) > 0 {
 		encodeSockets(ae, socks)
 	}
-	if _, err := n.execute(cmdReconfigure, ae); err != nil {
+	if _, err := n.execute(cmdReconfigure, ae, false); err != nil {
 		switch {
 		case errors.Is(err, syscall.EINVAL):
 			return fmt.Errorf("nbd reconfigure /dev/nbd%d: refused (not connected, or another backend/cookie): %w", index, err)
@@ -223,7 +223,7 @@ func (n *Netlink) Reconfigure(index int, rc Reconfig, socks []*os.File) error {
 func (n *Netlink) Disconnect(index int) error {
 	ae := netlink.NewAttributeEncoder()
 	ae.Uint32(attrIndex, uint32(index))
-	if _, err := n.execute(cmdDisconnect, ae); err != nil {
+	if _, err := n.execute(cmdDisconnect, ae, false); err != nil {
 		return fmt.Errorf("nbd disconnect /dev/nbd%d: %w", index, err)
 	}
 	return nil
@@ -232,7 +232,7 @@ func (n *Netlink) Disconnect(index int) error {
 func (n *Netlink) Status(index int) (Status, error) {
 	ae := netlink.NewAttributeEncoder()
 	ae.Uint32(attrIndex, uint32(index))
-	msgs, err := n.execute(cmdStatus, ae)
+	msgs, err := n.execute(cmdStatus, ae, true)
 	if err != nil {
 		return Status{}, fmt.Errorf("nbd status /dev/nbd%d: %w", index, err)
 	}
@@ -250,15 +250,24 @@ func (n *Netlink) Status(index int) (Status, error) {
 	return Status{}, fmt.Errorf("nbd status: /dev/nbd%d: %w", index, os.ErrNotExist)
 }
 
-func (n *Netlink) execute(cmd uint8, ae *netlink.AttributeEncoder) ([]genetlink.Message, error) {
+// execute sends one command. Commands the kernel answers with a message
+// (CONNECT, STATUS) must not also ask for an acknowledgement: the ack can
+// arrive in a later read, after Execute has returned with the reply, and
+// the next command would then read a stale ack ("mismatched sequence").
+// Errors come back as netlink errors either way.
+func (n *Netlink) execute(cmd uint8, ae *netlink.AttributeEncoder, replies bool) ([]genetlink.Message, error) {
 	b, err := ae.Encode()
 	if err != nil {
 		return nil, err
 	}
+	flags := netlink.Request
+	if !replies {
+		flags |= netlink.Acknowledge
+	}
 	return n.c.Execute(genetlink.Message{
 		Header: genetlink.Header{Command: cmd, Version: n.fam.Version},
 		Data:   b,
-	}, n.fam.ID, netlink.Request|netlink.Acknowledge)
+	}, n.fam.ID, flags)
 }
 
 func encodeSockets(ae *netlink.AttributeEncoder, socks []*os.File) {

@@ -13,6 +13,9 @@ pkgs=(
   librbd-dev librados-dev       # cgo headers and libraries for rbdio
   gcc libc6-dev                 # cgo
   mount                         # losetup, for the block-device test
+  qemu-system-x86 busybox-static # the kernel-NBD VM rig (scripts/vm)
+  e2fsprogs xfsprogs util-linux  # mkfs, blockdev, fsfreeze in the VM scenarios
+  rbd-nbd                        # Ceph's own rbd-nbd: the VM bench's peer
   ca-certificates
 )
 missing=()

@@ -1,0 +1,208 @@
+#!/bin/bash
+# Kernel-NBD scenarios, run inside the VM (scripts/vm/vm.sh) as root:
+#   e2e/scenarios.sh [a b c d e f g]    (default: all)
+# Each scenario prints PASS/FAIL lines; the exit status is the number of
+# failed scenarios. Uses bin/rbd-nbd-go from the checkout.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+B=$root/bin/rbd-nbd-go
+export RBD_NBD_GO_STATE_DIR=/run/rbd-nbd-go
+work=$(mktemp -d /tmp/e2e.XXXXXX)
+fails=0
+failed=()
+
+log() { echo "e2e: $*"; }
+check() { # check DESCRIPTION COMMAND...: one assertion
+	local what=$1; shift
+	if "$@"; then log "  ok   $what"; else log "  FAIL $what"; scenario_failed=1; fi
+}
+run_scenario() {
+	local name=$1 fn=$2
+	log "--- scenario $name"
+	scenario_failed=0
+	local t0=$(date +%s.%N)
+	$fn
+	local dt=$(echo "$(date +%s.%N) - $t0" | bc)
+	if [ $scenario_failed -ne 0 ]; then
+		fails=$((fails + 1)); failed+=("$name")
+		log "FAIL scenario $name (${dt}s)"
+		cat /run/rbd-nbd-go/daemon.log 2>/dev/null | tail -20
+	else
+		log "PASS scenario $name (${dt}s)"
+	fi
+}
+no_devices() { # nothing mapped: list-mapped empty and no nbd has a server
+	[ "$($B list-mapped --format json)" = "[]" ] || return 1
+	for p in /sys/block/nbd*/pid; do [ -e "$p" ] && return 1; done
+	return 0
+}
+fio_verify() { # fio_verify FILE_OR_DEV SIZE [extra fio args]: write+verify, crc32c
+	local target=$1 size=$2; shift 2
+	fio --name=verify --filename="$target" --size="$size" --ioengine=libaio --direct=1 \
+		--rw=randwrite --bs=4k --iodepth=32 --verify=crc32c --verify_fatal=1 \
+		--do_verify=1 --output-format=terse --terse-version=3 "$@" >"$work/fio.out" 2>&1
+	local rc=$?
+	[ $rc -eq 0 ] || { tail -5 "$work/fio.out"; return $rc; }
+	# terse v3: field 5 is the read/write error count, verify errors fail the run.
+	awk -F';' '{ if ($5 != 0) exit 1 }' "$work/fio.out"
+}
+
+# --- the cluster (inside the VM, on lo)
+cluster_up=0
+cluster() {
+	[ $cluster_up -eq 1 ] && return 0
+	local t0=$(date +%s.%N)
+	export CEPH_CONF
+	CEPH_CONF=$(scripts/ceph-dev-cluster start "$work/ceph" --timeout 120) || return 1
+	rbd pool init rbd 2>/dev/null || true
+	ceph auth get-key client.admin > "$work/admin.key"
+	mon=$(awk -F' *= *' '/mon[ _]host/ {print $2; exit}' "$CEPH_CONF")
+	cluster_up=1
+	log "  cluster up in $(echo "$(date +%s.%N) - $t0" | bc)s (mon $mon)"
+}
+
+# The flags ceph-csi passes to rbd-nbd, verbatim (internal/rbd/rbd_attach.go).
+csi_map() { # csi_map IMAGE COOKIE [extra]
+	local img=$1 cookie=$2; shift 2
+	$B --id admin -m "$mon" --keyfile="$work/admin.key" --log-file "$work/rbd-nbd-$cookie.log" \
+		map "$img" --try-netlink --reattach-timeout=300 --io-timeout=0 --cookie="$cookie" "$@"
+}
+
+scenario_a() { # mem and file specs: ext4, fio verify, unmap
+	local dev
+	check "map mem:256M prints a device" eval 'dev=$($B map mem:256M) && [ -b "$dev" ]'
+	check "nbd module loaded on demand" test -d /sys/module/nbd
+	check "mkfs.ext4" mkfs.ext4 -q -F "$dev"
+	mkdir -p "$work/mnt"
+	check "mount" mount "$dev" "$work/mnt"
+	check "fio verify on ext4" fio_verify "$work/mnt/f" 64M
+	check "umount" umount "$work/mnt"
+	check "unmap" $B unmap "$dev"
+	truncate -s 128M "$work/disk.img"
+	check "map file:" eval 'dev=$($B map --connections 2 file:$work/disk.img) && [ -b "$dev" ]'
+	check "mkfs.ext4 + mount + fio on file:" eval 'mkfs.ext4 -q -F $dev && mount $dev $work/mnt && fio_verify $work/mnt/f 32M && umount $work/mnt'
+	check "unmap by spec" $B unmap "file:$work/disk.img"
+	check "list-mapped is empty" no_devices
+	check "image file holds the filesystem" eval 'blkid -p "$work/disk.img" | grep -q ext4'
+}
+
+scenario_b() { # a real RBD image with ceph-csi's flags, xfs
+	cluster || { scenario_failed=1; return; }
+	rbd create --size 512M rbd/vol-b
+	local dev
+	check "map with ceph-csi's command line" eval 'dev=$(csi_map rbd/vol-b csi-vol-b) && [ -b "$dev" ]'
+	check "list-mapped --format=json has rbd-nbd's fields" eval '$B list-mapped --format=json | python3 -c "
+import json,sys; l=json.load(sys.stdin); d=l[0]
+assert (d[\"pool\"],d[\"namespace\"],d[\"image\"],d[\"snap\"],d[\"device\"],d[\"cookie\"])==(\"rbd\",\"\",\"vol-b\",\"-\",\"$dev\",\"csi-vol-b\"), d
+assert isinstance(d[\"id\"], int) and d[\"id\"]>0"'
+	check "backend identifier is the cookie" eval '[ "$(cat /sys/block/${dev#/dev/}/backend)" = csi-vol-b ]'
+	check "the key is not in any argv" eval '! grep -qF "$(cat $work/admin.key)" /proc/[0-9]*/cmdline'
+	check "mkfs.xfs" mkfs.xfs -q -f "$dev"
+	mkdir -p "$work/mnt"
+	check "mount xfs" mount "$dev" "$work/mnt"
+	check "fio verify on xfs" fio_verify "$work/mnt/f" 128M
+	check "umount" umount "$work/mnt"
+	check "unmap (ceph-csi: by device)" $B unmap "$dev"
+	check "second unmap says rbd-nbd's 'not mapped'" eval '$B unmap rbd/vol-b 2>&1 | grep -qx "rbd-nbd: rbd/vol-b is not mapped"'
+	check "data is in the image (xfs signature via rbd export)" eval 'rbd export rbd/vol-b - 2>/dev/null | head -c 4 | grep -q XFSB'
+	check "list-mapped is empty" no_devices
+}
+
+scenario_c() { # raw device, 4 connections = 4 hardware queues
+	cluster || { scenario_failed=1; return; }
+	rbd create --size 256M rbd/vol-c
+	local dev
+	check "map --connections 4" eval 'dev=$(csi_map rbd/vol-c c --connections 4) && [ -b "$dev" ]'
+	check "4 hardware queues" eval '[ $(ls /sys/block/${dev#/dev/}/mq | wc -l) -eq 4 ]'
+	check "max_sectors_kb raised to 4096" eval '[ $(cat /sys/block/${dev#/dev/}/queue/max_sectors_kb) -eq 4096 ]'
+	check "fio verify on the raw device, 4 jobs" fio_verify "$dev" 256M --numjobs=4 --offset_increment=64M --size=64M
+	check "1M sequential verify" fio_verify "$dev" 128M --rw=write --bs=1M --iodepth=8
+	check "unmap" $B unmap "$dev"
+}
+
+scenario_d() { # rbd resize grows the device with no remap
+	cluster || { scenario_failed=1; return; }
+	rbd create --size 64M rbd/vol-d
+	local dev
+	check "map" eval 'dev=$(csi_map rbd/vol-d d) && [ -b "$dev" ]'
+	check "size 64M" eval '[ $(blockdev --getsize64 $dev) -eq $((64<<20)) ]'
+	rbd resize --size 192M rbd/vol-d >/dev/null 2>&1
+	local n=0
+	while [ $(blockdev --getsize64 $dev) -ne $((192<<20)) ] && [ $n -lt 50 ]; do sleep 0.1; n=$((n+1)); done
+	check "size 192M after rbd resize, same device" eval '[ $(blockdev --getsize64 $dev) -eq $((192<<20)) ]'
+	check "I/O in the new space" fio_verify "$dev" 64M --offset=128M
+	check "unmap" $B unmap "$dev"
+}
+
+scenario_e() { # kill -9 the daemon mid-fio; ceph-csi's attach; no errors
+	cluster || { scenario_failed=1; return; }
+	rbd create --size 256M rbd/vol-e
+	local dev pid
+	check "map" eval 'dev=$(csi_map rbd/vol-e vol-e-cookie --connections 2) && [ -b "$dev" ]'
+	fio --name=crash --filename="$dev" --size=128M --ioengine=libaio --direct=1 --rw=randwrite --bs=4k \
+		--iodepth=16 --verify=crc32c --verify_fatal=1 --do_verify=1 --time_based=0 --loops=4 \
+		--output-format=terse --terse-version=3 >"$work/fio-e.out" 2>&1 &
+	local fiopid=$!
+	sleep 4
+	pid=$(cat /run/rbd-nbd-go/daemon.lock)
+	check "daemon pid known" test -n "$pid"
+	kill -9 "$pid"
+	log "  killed daemon $pid mid-write"
+	sleep 2
+	check "ceph-csi's attach command reattaches" eval '$B --id admin -m "$mon" --keyfile="$work/admin.key" attach rbd/vol-e --device "$dev" --try-netlink --reattach-timeout=300 --io-timeout=0 --cookie=vol-e-cookie >/dev/null'
+	check "a new daemon serves it" eval '[ "$(cat /run/rbd-nbd-go/daemon.lock)" != "$pid" ]'
+	wait $fiopid
+	local rc=$?
+	check "fio finished without I/O or verify errors (rc $rc)" eval '[ $rc -eq 0 ] && awk -F";" "{ if (\$5 != 0) exit 1 }" $work/fio-e.out'
+	[ $rc -eq 0 ] || tail -5 "$work/fio-e.out"
+	check "kernel logged no I/O error" eval '! dmesg | grep -q "I/O error, dev ${dev#/dev/}"'
+	# A restart of the daemon alone (SIGTERM, then any command) also reattaches.
+	kill "$(cat /run/rbd-nbd-go/daemon.lock)"; sleep 1
+	check "list-mapped restarts the daemon and shows the device" eval '$B list-mapped | grep -q "$dev"'
+	check "I/O after the restart" fio_verify "$dev" 16M
+	check "unmap" $B unmap "$dev"
+}
+
+scenario_f() { # bad input: clear errors, nothing left behind
+	cluster || { scenario_failed=1; return; }
+	local out
+	out=$(csi_map rbd/no-such-image f 2>&1); check "missing image fails in one line naming it" eval '[ $? -ne 0 ] && [ $(echo "$out" | wc -l) -eq 1 ] && echo "$out" | grep -q "does not exist"'
+	log "  -> $out"
+	echo "AQBxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx==" > "$work/bad.key"
+	out=$($B --id admin -m "$mon" --keyfile="$work/bad.key" --op-timeout 10s map rbd/vol-b 2>&1)
+	check "wrong key fails clearly" eval '[ $? -ne 0 ] && echo "$out" | grep -qi "permission denied\|wrong key\|auth"'
+	log "  -> $out"
+	check "the bad key is not echoed" eval '! echo "$out" | grep -q AQBxxxx'
+	check "nothing left behind" no_devices
+	rbd create --size 64M rbd/vol-f
+	local dev
+	check "map" eval 'dev=$(csi_map rbd/vol-f f) && mkfs.ext4 -q -F $dev && mkdir -p $work/mnt && mount $dev $work/mnt'
+	out=$($B unmap "$dev" 2>&1); check "unmap of a mounted device is refused" eval '[ $? -ne 0 ] && echo "$out" | grep -q busy'
+	log "  -> $out"
+	check "still mapped and usable" eval 'echo hi > $work/mnt/x && sync && [ -e /sys/block/${dev#/dev/}/pid ]'
+	out=$(csi_map rbd/vol-f f2 --device "$dev" 2>&1); check "map onto a busy device is refused" eval '[ $? -ne 0 ] && echo "$out" | grep -q busy'
+	log "  -> $out"
+	check "bad flag is one line" eval '[ $($B map --no-such-flag x 2>&1 | wc -l) -eq 1 ]'
+	umount "$work/mnt"
+	check "unmap after umount" $B unmap "$dev"
+	check "nothing left behind" no_devices
+}
+
+scenario_g() { # quiesce: snapshot freezes and thaws the filesystem
+	cluster || { scenario_failed=1; return; }
+	rbd create --size 64M rbd/vol-g
+	local dev
+	check "map --quiesce" eval 'dev=$(csi_map rbd/vol-g g --quiesce) && mkfs.ext4 -q -F $dev && mount $dev $work/mnt && echo before > $work/mnt/f'
+	check "rbd snap create runs the quiesce hook" eval 'rbd snap create rbd/vol-g@s1 2>&1 && grep -q "quiesce" /run/rbd-nbd-go/daemon.log'
+	check "filesystem writable after the snapshot" eval 'echo after > $work/mnt/f && sync'
+	umount "$work/mnt"
+	check "unmap" $B unmap "$dev"
+}
+
+[ $# -gt 0 ] || set -- a b c d e f g
+for s in "$@"; do run_scenario "$s" "scenario_$s"; done
+[ $cluster_up -eq 1 ] && scripts/ceph-dev-cluster stop "$work/ceph" >/dev/null 2>&1
+pkill -f "$B daemon" 2>/dev/null
+log "done: $fails failed ${failed[*]:-}"
+exit $fails
