@@ -7,7 +7,7 @@ GO      ?= go
 BIN     := bin/rbd-nbd-go
 GOFILES := $(shell find . -name '*.go' -not -path './bin/*')
 
-.PHONY: all deps build test unit interop lint fuzz bench run clean
+.PHONY: all deps build test unit interop lint fuzz bench bench-vm e2e run clean
 
 all: build
 
@@ -26,8 +26,14 @@ lint:
 # Unit, fuzz-seed, interop and Ceph tests, with the race detector. Test
 # packages needing Ceph start their own dev cluster. Interop clients and
 # Ceph are required here: a missing one fails rather than skips.
-test: deps lint
+test: deps lint build
 	RBD_NBD_GO_INTEROP=required RBD_NBD_GO_CEPH=required $(GO) test -race -count=1 -timeout 30m ./...
+	$(MAKE) --no-print-directory e2e
+
+# The kernel path for real: scenarios (a)-(g) in e2e/scenarios.sh inside a
+# qemu VM booting Debian's kernel (this machine's kernel has no NBD).
+e2e: deps build
+	scripts/vm/vm.sh --timeout 2400 -- e2e/scenarios.sh
 
 # A short run of each fuzz target beyond its seed corpus.
 fuzz:
@@ -42,6 +48,12 @@ bench: deps build
 	$(GO) test -run '^$$' -bench . -benchmem ./nbd/ ./rbdio/ | tee bench/results/go-bench.txt
 	$(GO) run ./bench/runner -suite nbd -bin $(BIN) -out bench/results/nbd
 	$(GO) run ./bench/runner -suite rbd -bin $(BIN) -out bench/results/rbd
+
+# rbd-nbd-go vs Ceph's rbd-nbd on /dev/nbdX inside the VM (ratios only:
+# the VM runs under TCG). Results in bench/results/vm.
+bench-vm: deps build
+	mkdir -p bench/results/vm
+	scripts/vm/vm.sh --timeout 3000 --share $(CURDIR)/bench/results/vm -- e2e/bench.sh $(CURDIR)/bench/results/vm
 
 # Serve a file-backed export on a unix socket and show it working.
 run: deps build

@@ -3,8 +3,10 @@
 # inside, with the host's root shared read-only over 9p under a tmpfs
 # overlay, so the project's binaries and Debian's tools run unchanged.
 #
-#   scripts/vm/vm.sh [--mem 4G] [--timeout SECONDS] -- COMMAND [ARGS...]
+#   scripts/vm/vm.sh [--mem 4G] [--timeout SECONDS] [--share DIR] -- COMMAND [ARGS...]
 #
+# --share DIR makes host directory DIR writable at the same path in the VM
+# (for results); everything else the VM writes vanishes with it.
 # COMMAND runs in the VM as root, in the current directory, with lo up
 # and no other network. Its output goes to the serial console (our
 # stdout); our exit status is its exit status (124 on timeout, 125 if
@@ -14,10 +16,12 @@ set -euo pipefail
 
 mem=4G
 timeout=1200
+share=
 while [ $# -gt 0 ]; do
 	case $1 in
 	--mem) mem=$2; shift 2 ;;
 	--timeout) timeout=$2; shift 2 ;;
+	--share) share=$(mkdir -p "$2" && cd "$2" && pwd); shift 2 ;;
 	--) shift; break ;;
 	*) echo "vm.sh: unknown option $1" >&2; exit 2 ;;
 	esac
@@ -69,6 +73,7 @@ for m in $mods; do
 done
 cp /bin/busybox "$work/initrd/bin/busybox"
 printf '%s\n' "$kver" > "$work/initrd/kver"
+printf '%s' "$share" > "$work/initrd/share"
 printf '%s\n' "$kdir/lib/modules/$kver" > "$work/initrd/kmods"
 
 cat > "$work/initrd/init" <<'INIT'
@@ -94,6 +99,7 @@ mount -t tmpfs tmpfs /newroot/dev/shm
 mount -t tmpfs tmpfs /newroot/tmp
 mount -t tmpfs tmpfs /newroot/run
 mount -t 9p -o $o out /newroot/vm-out
+if [ -s /share ]; then mkdir -p "/newroot$(cat /share)"; mount -t 9p -o $o share "/newroot$(cat /share)"; fi
 ln -sf /proc/self/fd /newroot/dev/fd
 ln -sf /proc/self/fd/0 /newroot/dev/stdin
 ln -sf /proc/self/fd/1 /newroot/dev/stdout
@@ -132,7 +138,8 @@ timeout -k 10 "$timeout" qemu-system-x86_64 $qemu_accel -smp 2 -m "$mem" -M q35 
 	-kernel "$vmlinuz" -initrd "$work/initrd.gz" \
 	-append "console=ttyS0 panic=-1 loglevel=3 mitigations=off edd=off rdinit=/init quiet" \
 	-virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap \
-	-virtfs local,path="$work/out",mount_tag=out,security_model=none </dev/null
+	-virtfs local,path="$work/out",mount_tag=out,security_model=none \
+	${share:+-virtfs local,path=$share,mount_tag=share,security_model=none} </dev/null
 qrc=$?
 set -e
 if [ -s "$work/out/rc" ]; then

@@ -1,0 +1,70 @@
+#!/bin/bash
+# Kernel-NBD bench, inside the VM: fio libaio on /dev/nbdX, rbd-nbd-go vs
+# Ceph's own rbd-nbd, on the same image, in the same VM run, alternating
+# contenders each round. TCG makes absolute numbers meaningless: read the
+# ratios. Also times `map` for both.
+#   e2e/bench.sh OUTDIR      (env: BENCH_RUNTIME seconds per job, BENCH_ROUNDS)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-/vm-out/bench}
+mkdir -p "$out"
+B=$PWD/bin/rbd-nbd-go
+export RBD_NBD_GO_STATE_DIR=/run/rbd-nbd-go
+runtime=${BENCH_RUNTIME:-15}
+rounds=${BENCH_ROUNDS:-2}
+work=$(mktemp -d /tmp/bench.XXXXXX)
+export CEPH_CONF
+CEPH_CONF=$(scripts/ceph-dev-cluster start "$work/ceph" --timeout 120) || exit 1
+ceph auth get-key client.admin > "$work/admin.key"
+mon=$(awk -F' *= *' '/mon[ _]host/ {print $2; exit}' "$CEPH_CONF")
+rbd create --size 1G rbd/bench
+# Fill the image once so reads hit real objects.
+rbd bench --io-type write --io-size 4M --io-total 1G --io-pattern seq rbd/bench >/dev/null 2>&1
+
+map_ours() { $B --id admin -m "$mon" --keyfile="$work/admin.key" map rbd/bench --try-netlink --io-timeout=0; }
+unmap_ours() { $B unmap "$1"; }
+# Ceph's rbd-nbd with the cache off, as safe ceph-csi use needs (see
+# shared notes: with the default cache a kill -9 loses acknowledged writes).
+map_ceph() { rbd-nbd --id admin -m "$mon" --keyfile="$work/admin.key" --rbd-cache=false map rbd/bench --try-netlink --io-timeout=0; }
+unmap_ceph() { rbd-nbd unmap "$1"; sleep 1; }
+
+jobs="randread-4k-qd32:randread:4k:32 randwrite-4k-qd32:randwrite:4k:32 read-1m-qd8:read:1M:8 write-1m-qd8:write:1M:8"
+echo "contender,job,round,iops,bw_kib,map_seconds" > "$out/results.csv"
+for r in $(seq 1 "$rounds"); do
+	order="ours ceph"; [ $((r % 2)) -eq 0 ] && order="ceph ours"
+	for c in $order; do
+		t0=$(date +%s.%N)
+		dev=$(map_$c) || { echo "bench: map $c failed"; exit 1; }
+		mt=$(echo "$(date +%s.%N) - $t0" | bc)
+		echo "bench: round $r $c $dev (map ${mt}s)"
+		for j in $jobs; do
+			IFS=: read -r name rw bs qd <<<"$j"
+			fio --name="$name" --filename="$dev" --ioengine=libaio --direct=1 --rw="$rw" --bs="$bs" \
+				--iodepth="$qd" --size=1G --time_based --runtime="$runtime" --ramp_time=2 \
+				--output-format=json > "$work/fio.json" 2>/dev/null
+			python3 - "$work/fio.json" "$c" "$name" "$r" "$mt" >> "$out/results.csv" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1]))["jobs"][0]
+d = j["read"] if j["read"]["io_bytes"] else j["write"]
+print(f"{sys.argv[2]},{sys.argv[3]},{sys.argv[4]},{d['iops']:.0f},{d['bw']},{sys.argv[5]}")
+PY
+			tail -1 "$out/results.csv"
+		done
+		unmap_$c "$dev"
+	done
+done
+python3 - "$out/results.csv" > "$out/summary.txt" <<'PY'
+import csv, sys, statistics as st
+rows = list(csv.DictReader(open(sys.argv[1])))
+jobs = sorted({r["job"] for r in rows}, key=lambda j: [r["job"] for r in rows].index(j))
+print(f"{'job':<20} {'rbd-nbd-go IOPS':>16} {'rbd-nbd IOPS':>14} {'ratio':>7}")
+for job in jobs:
+    med = lambda c: st.median(float(r["iops"]) for r in rows if r["job"] == job and r["contender"] == c)
+    a, b = med("ours"), med("ceph")
+    print(f"{job:<20} {a:>16.0f} {b:>14.0f} {a / b:>6.2f}x")
+mt = lambda c: st.median(float(r["map_seconds"]) for r in rows if r["contender"] == c)
+print(f"map time (median)    rbd-nbd-go {mt('ours'):.2f}s   rbd-nbd {mt('ceph'):.2f}s")
+PY
+cat "$out/summary.txt"
+scripts/ceph-dev-cluster stop "$work/ceph" >/dev/null 2>&1
+pkill -f "$B daemon"
