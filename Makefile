@@ -33,7 +33,7 @@ test: deps lint build
 # The kernel path for real: scenarios (a)-(g) in e2e/scenarios.sh inside a
 # qemu VM booting Debian's kernel (this machine's kernel has no NBD).
 e2e: deps build
-	scripts/vm/vm.sh --timeout 2400 -- e2e/scenarios.sh
+	scripts/vm/vm.sh --smp 4 --timeout 2400 -- e2e/scenarios.sh
 
 # A short run of each fuzz target beyond its seed corpus.
 fuzz:

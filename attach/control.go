@@ -165,7 +165,16 @@ func (r Response) Err() error {
 	case CodeNotMapped:
 		return ErrNotMapped
 	case CodeBusy:
-		return fmt.Errorf("%s: %w", r.Error, ErrBusy)
+		return codeError{r.Error, ErrBusy}
 	}
 	return errors.New(r.Error)
 }
+
+// codeError keeps the daemon's message and matches its sentinel.
+type codeError struct {
+	msg    string
+	target error
+}
+
+func (e codeError) Error() string        { return e.msg }
+func (e codeError) Is(target error) bool { return target == e.target }

@@ -82,7 +82,12 @@ func (m *Manager) backendOptions(d *device) backend.Options {
 		Clusters: m.cfg.Clusters, Encryption: rec.Encryption,
 		OnResize: func(size uint64) { m.resized(d, size) }}
 	if rec.Quiesce {
-		o.OnQuiesce = func(q bool) error { return m.cfg.Quiesce(d.recCopy(), q) }
+		o.OnQuiesce = func(q bool) error {
+			rec := d.recCopy()
+			err := m.cfg.Quiesce(rec, q)
+			m.log.Info("snapshot quiesce hook", "device", rec.Device(), "quiesce", q, "err", err)
+			return err
+		}
 	}
 	return o
 }
@@ -332,9 +337,6 @@ func (m *Manager) Attach(rec Record) (Record, error) {
 	if !st.Connected {
 		return Record{}, fmt.Errorf("%s is not connected in the kernel (use map)", rec.Device())
 	}
-	if n := m.hwQueues(rec.Index); n > 0 {
-		rec.Connections = n
-	}
 	rec.Detached = false
 	d := &device{rec: rec}
 	s, err := newServed(rec, m.backendOptions(d), m.log)
@@ -343,10 +345,11 @@ func (m *Manager) Attach(rec Record) (Record, error) {
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if err := m.reattach(rec, s); err != nil {
+	if err := m.reattach(&d.rec, s); err != nil {
 		s.stop(5 * time.Second)
 		return Record{}, err
 	}
+	rec = d.rec
 	d.s = s
 	m.mu.Lock()
 	m.devs[rec.Index] = d
@@ -370,48 +373,55 @@ func mergeAttach(cur, req Record) Record {
 	return out
 }
 
-// reattach hands the kernel one new socket per dead connection. One
-// RECONFIGURE per socket: the kernel replaces dead sockets one by one
-// and stops at the first failure, so a batch could half-succeed.
-func (m *Manager) reattach(rec Record, s *served) error {
-	kEnds, ours, err := socketpairs(rec.Connections)
-	if err != nil {
-		return err
-	}
-	defer closeAll(kEnds)
-	if err := s.serve(ours, m.log); err != nil {
-		return err
-	}
+// reattach hands the kernel one new socket per dead connection, however
+// many the device has (the caller may not know: ceph-csi's attach does
+// not say). One RECONFIGURE per socket, because the kernel replaces dead
+// sockets one at a time and stops at the first failure; ENOSPC means no
+// dead socket is left — or, for the first one, that the kernel has not
+// yet noticed the old server is gone, so that one is retried.
+func (m *Manager) reattach(rec *Record, s *served) error {
 	size := s.opened.Backend.Size()
 	deadline := time.Now().Add(m.cfg.ReattachWait)
-	for i, k := range kEnds {
+	attached := 0
+	for attached < maxConnections {
+		kEnds, ours, err := socketpairs(1)
+		if err != nil {
+			return err
+		}
 		rc := kernel.Reconfig{BackendID: rec.Cookie, DeadConnTimeout: rec.ReattachTimeout}
-		if i == 0 {
+		if attached == 0 {
 			rc.Size, rc.BlockSize = size, rec.BlockSize
 		}
-		for {
-			err = m.cfg.Kernel.Reconfigure(rec.Index, rc, []*os.File{k})
-			if err == nil {
-				break
-			}
-			if !errors.Is(err, syscall.ENOSPC) || time.Now().After(deadline) {
-				if i > 0 {
-					m.log.Warn("reattached fewer connections than the device had",
-						"device", rec.Device(), "attached", i, "want", len(kEnds), "err", err)
-					return nil
-				}
+		err = m.cfg.Kernel.Reconfigure(rec.Index, rc, kEnds)
+		if err == nil {
+			err = s.serve(ours, m.log)
+			closeAll(kEnds)
+			if err != nil {
 				return err
 			}
-			// The kernel has not yet seen the old socket die.
-			time.Sleep(50 * time.Millisecond)
+			attached++
+			continue
 		}
+		closeAll(kEnds)
+		closeAll(ours)
+		if !errors.Is(err, syscall.ENOSPC) {
+			return err
+		}
+		if attached > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			return err
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
+	rec.Connections = attached
 	return nil
 }
 
 // ReplaceDead gives a served device a fresh connection after the kernel
 // declared one dead (LINK_DEAD: a request timed out, or the socket
-// failed), so the device keeps all its queues.
+// failed), so the device keeps all its connections.
 func (m *Manager) ReplaceDead(index int) {
 	d := m.get(index)
 	if d == nil {
@@ -434,15 +444,8 @@ func (m *Manager) ReplaceDead(index int) {
 	m.log.Info("replaced a dead connection", "device", d.rec.Device(), "err", err)
 }
 
-// hwQueues counts the device's blk-mq hardware queues: one per
-// connection it was created with.
-func (m *Manager) hwQueues(index int) int {
-	ents, err := os.ReadDir(filepath.Join(m.cfg.SysBlock, fmt.Sprintf("nbd%d", index), "mq"))
-	if err != nil {
-		return 0
-	}
-	return len(ents)
-}
+// maxConnections bounds the sockets of one device.
+const maxConnections = 64
 
 // Restore takes back every device in the store that the kernel still
 // has, after a restart. Devices the kernel lost are forgotten.

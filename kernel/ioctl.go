@@ -74,38 +74,22 @@ func (k *Ioctl) Connect(cfg Config, socks []*os.File) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	fd := f.Fd()
-	bs := cfg.blockSize()
-	steps := []struct {
-		what     string
-		req, arg uintptr
-	}{
-		{"set block size", ioSetBlkSize, uintptr(bs)},
-		{"set size", ioSetSizeBlocks, uintptr(cfg.Size / bs)},
-		{"set timeout", ioSetTimeout, uintptr(seconds(cfg.Timeout))},
-		{"set flags", ioSetFlags, uintptr(cfg.ServerFlags)},
-	}
-	for _, s := range socks {
-		steps = append(steps, struct {
-			what     string
-			req, arg uintptr
-		}{"set socket", ioSetSock, s.Fd()})
-	}
-	for _, s := range steps {
-		if _, _, e := unix.Syscall(unix.SYS_IOCTL, fd, s.req, s.arg); e != 0 {
-			unix.Syscall(unix.SYS_IOCTL, fd, ioClearSock, 0)
-			f.Close()
-			return 0, fmt.Errorf("/dev/nbd%d: %s: %w", index, s.what, e)
-		}
-	}
+	// The kernel binds a device to the thread that sets its first
+	// socket ("being setup by another task" otherwise): setup and
+	// NBD_DO_IT all run on one locked thread, which then serves the
+	// device for its whole life.
+	setup := make(chan error, 1)
 	done := make(chan error, 1)
-	k.running[index] = done
 	go func() {
-		// NBD_DO_IT runs the device until it is disconnected; the
-		// thread is the kernel's, and ours, for that long.
 		runtime.LockOSThread()
-		_, _, e := unix.Syscall(unix.SYS_IOCTL, fd, ioDoIt, 0)
-		unix.Syscall(unix.SYS_IOCTL, fd, ioClearSock, 0)
+		if err := k.setup(f.Fd(), index, cfg, socks); err != nil {
+			f.Close()
+			setup <- err
+			return
+		}
+		setup <- nil
+		_, _, e := unix.Syscall(unix.SYS_IOCTL, f.Fd(), ioDoIt, 0)
+		unix.Syscall(unix.SYS_IOCTL, f.Fd(), ioClearSock, 0)
 		f.Close()
 		k.mu.Lock()
 		delete(k.running, index)
@@ -115,7 +99,35 @@ func (k *Ioctl) Connect(cfg Config, socks []*os.File) (int, error) {
 		}
 		close(done)
 	}()
+	if err := <-setup; err != nil {
+		return 0, err
+	}
+	k.running[index] = done
 	return index, nil
+}
+
+func (k *Ioctl) setup(fd uintptr, index int, cfg Config, socks []*os.File) error {
+	bs := cfg.blockSize()
+	type step struct {
+		what     string
+		req, arg uintptr
+	}
+	steps := []step{
+		{"set block size", ioSetBlkSize, uintptr(bs)},
+		{"set size", ioSetSizeBlocks, uintptr(cfg.Size / bs)},
+		{"set timeout", ioSetTimeout, uintptr(seconds(cfg.Timeout))},
+		{"set flags", ioSetFlags, uintptr(cfg.ServerFlags)},
+	}
+	for _, s := range socks {
+		steps = append(steps, step{"set socket", ioSetSock, s.Fd()})
+	}
+	for _, s := range steps {
+		if _, _, e := unix.Syscall(unix.SYS_IOCTL, fd, s.req, s.arg); e != 0 {
+			unix.Syscall(unix.SYS_IOCTL, fd, ioClearSock, 0)
+			return fmt.Errorf("/dev/nbd%d: %s: %w", index, s.what, e)
+		}
+	}
+	return nil
 }
 
 func (k *Ioctl) Reconfigure(index int, rc Reconfig, socks []*os.File) error {

@@ -24,6 +24,7 @@ type conn struct {
 	exp        *Export
 	be         Backend
 	size       uint64
+	followSize bool
 	tflags     TransmissionFlags
 	structured bool
 	meta       bool
@@ -64,6 +65,7 @@ func newConn(s *Server, w *wire, br *bufio.Reader, sess *session) *conn {
 		exp:        sess.exp,
 		be:         sess.exp.Backend,
 		size:       sess.exp.Backend.Size(),
+		followSize: sess.followSize,
 		tflags:     sess.exp.Flags(sess.structured),
 		structured: sess.structured,
 		meta:       sess.meta,
@@ -239,7 +241,11 @@ func (c *conn) check(r *Request) Errno {
 		}
 		return 0
 	}
-	if r.Offset > c.size || uint64(r.Length) > c.size-r.Offset {
+	size := c.size
+	if c.followSize {
+		size = c.be.Size()
+	}
+	if r.Offset > size || uint64(r.Length) > size-r.Offset {
 		if r.cmd == cmdWrite || r.cmd == cmdWriteZeroes {
 			return ErrNoSpace
 		}

@@ -19,6 +19,10 @@ type session struct {
 	exp        *Export
 	structured bool
 	meta       bool // base:allocation selected
+	// followSize checks bounds against the backend's current size, not
+	// the size at connect: the kernel learns of a resize through netlink
+	// and then sends I/O in the new space on its old connections.
+	followSize bool
 }
 
 type negotiator struct {

@@ -1,10 +1,12 @@
 package nbd
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"errors"
 	"slices"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -362,5 +364,44 @@ func TestReplyNotHeldByBlockedReader(t *testing.T) {
 		if r := c.recv(0); r.cookie != 2 || r.errno != 0 {
 			t.Fatalf("async=%v: second reply %+v", async, r)
 		}
+	}
+}
+
+// growingFake is an async backend whose size can change underneath.
+type growingFake struct {
+	*asyncFake
+	size atomic.Uint64
+}
+
+func (g *growingFake) Size() uint64      { return g.size.Load() }
+func (g *growingFake) Submit(r *Request) { r.Complete(nil) }
+
+// TestNegotiatedFollowsResize: the kernel learns of a resize through
+// netlink, not the handshake, and then uses the new space on its old
+// connections; a handshake client keeps the size it was told.
+func TestNegotiatedFollowsResize(t *testing.T) {
+	g := &growingFake{asyncFake: newAsync(1 << 20)}
+	g.size.Store(1 << 20)
+	s := newTestServer(t, Export{Name: "", Backend: g})
+	a, b := socketpair(t)
+	go s.ServeNegotiated(a, "")
+	kc := &tclient{t: t, c: b, br: bufio.NewReader(b)}
+	t.Cleanup(func() { b.Close() })
+	b.SetDeadline(time.Now().Add(20 * time.Second))
+	uc := connect(t, s)
+	uc.open("", false)
+
+	kc.send(cmdWrite, 0, 1, 1<<20, 4096, make([]byte, 4096))
+	if r := kc.recv(0); r.errno != uint32(ErrNoSpace) {
+		t.Fatalf("write past the end before the resize: errno %d", r.errno)
+	}
+	g.size.Store(2 << 20)
+	kc.send(cmdWrite, 0, 2, 1<<20, 4096, make([]byte, 4096))
+	if r := kc.recv(0); r.errno != 0 {
+		t.Fatalf("write in the new space on the kernel's connection: errno %d", r.errno)
+	}
+	uc.send(cmdRead, 0, 3, 1<<20, 4096, nil)
+	if r := uc.recv(0); r.errno != uint32(ErrInvalid) {
+		t.Fatalf("handshake client beyond its negotiated size: errno %d", r.errno)
 	}
 }

@@ -191,6 +191,8 @@ func describeConnectError(o Options, err error) error {
 			return fmt.Errorf("connect to ceph as %s: no monitor answered within %s", who, o.timeout())
 		case syscall.ENOENT:
 			return fmt.Errorf("connect to ceph as %s: no key found for this user (give --keyring or --keyfile)", who)
+		case syscall.EINVAL:
+			return fmt.Errorf("connect to ceph as %s: invalid argument (malformed key, or a bad ceph option)", who)
 		}
 	}
 	return fmt.Errorf("connect to ceph as %s: %w", who, err)

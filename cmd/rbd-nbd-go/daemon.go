@@ -85,6 +85,11 @@ func runDaemon(log *slog.Logger, stateDir string, mod kernel.ModuleOptions, read
 	if err != nil {
 		return err
 	}
+	if os.Getenv("RBD_NBD_GO_KERNEL_INTERFACE") == "ioctl" && ctl.Name() != "ioctl" {
+		// Exercise the fallback on a kernel that has netlink (tests).
+		ctl.Close()
+		ctl = kernel.NewIoctl()
+	}
 	defer ctl.Close()
 	store, err := attach.OpenStore(stateDir)
 	if err != nil {

@@ -3,7 +3,7 @@
 # inside, with the host's root shared read-only over 9p under a tmpfs
 # overlay, so the project's binaries and Debian's tools run unchanged.
 #
-#   scripts/vm/vm.sh [--mem 4G] [--timeout SECONDS] [--share DIR] -- COMMAND [ARGS...]
+#   scripts/vm/vm.sh [--mem 4G] [--smp 2] [--timeout SECONDS] [--share DIR] -- COMMAND [ARGS...]
 #
 # --share DIR makes host directory DIR writable at the same path in the VM
 # (for results); everything else the VM writes vanishes with it.
@@ -15,11 +15,13 @@
 set -euo pipefail
 
 mem=4G
+smp=2
 timeout=1200
 share=
 while [ $# -gt 0 ]; do
 	case $1 in
 	--mem) mem=$2; shift 2 ;;
+	--smp) smp=$2; shift 2 ;;
 	--timeout) timeout=$2; shift 2 ;;
 	--share) share=$(mkdir -p "$2" && cd "$2" && pwd); shift 2 ;;
 	--) shift; break ;;
@@ -133,7 +135,7 @@ chmod +x "$work/initrd/init"
 
 qemu_accel="-accel tcg,thread=multi,tb-size=512 -cpu max"
 set +e
-timeout -k 10 "$timeout" qemu-system-x86_64 $qemu_accel -smp 2 -m "$mem" -M q35 \
+timeout -k 10 "$timeout" qemu-system-x86_64 $qemu_accel -smp "$smp" -m "$mem" -M q35 \
 	-nodefaults -no-user-config -display none -monitor none -serial stdio -no-reboot -nic none \
 	-kernel "$vmlinuz" -initrd "$work/initrd.gz" \
 	-append "console=ttyS0 panic=-1 loglevel=3 mitigations=off edd=off rdinit=/init quiet" \
