@@ -23,6 +23,10 @@ rbd bench --io-type write --io-size 4M --io-total 1G --io-pattern seq rbd/bench 
 
 map_ours() { $B --id admin -m "$mon" --keyfile="$work/admin.key" map rbd/bench --try-netlink --io-timeout=0; }
 unmap_ours() { $B unmap "$1"; }
+# One connection, as rbd-nbd has: separates the transport from the
+# multi-queue effect.
+map_ours1() { $B --id admin -m "$mon" --keyfile="$work/admin.key" map rbd/bench --try-netlink --io-timeout=0 --connections 1; }
+unmap_ours1() { $B unmap "$1"; }
 # Ceph's rbd-nbd with the cache off, as safe ceph-csi use needs (see
 # shared notes: with the default cache a kill -9 loses acknowledged writes).
 map_ceph() { rbd-nbd --id admin -m "$mon" --keyfile="$work/admin.key" --rbd-cache=false map rbd/bench --try-netlink --io-timeout=0; }
@@ -31,7 +35,7 @@ unmap_ceph() { rbd-nbd unmap "$1"; sleep 1; }
 jobs="randread-4k-qd32:randread:4k:32 randwrite-4k-qd32:randwrite:4k:32 read-1m-qd8:read:1M:8 write-1m-qd8:write:1M:8"
 echo "contender,job,round,iops,bw_kib,map_seconds" > "$out/results.csv"
 for r in $(seq 1 "$rounds"); do
-	order="ours ceph"; [ $((r % 2)) -eq 0 ] && order="ceph ours"
+	order="ours ours1 ceph"; [ $((r % 2)) -eq 0 ] && order="ceph ours1 ours"
 	for c in $order; do
 		t0=$(date +%s.%N)
 		dev=$(map_$c) || { echo "bench: map $c failed"; exit 1; }
@@ -57,13 +61,13 @@ python3 - "$out/results.csv" > "$out/summary.txt" <<'PY'
 import csv, sys, statistics as st
 rows = list(csv.DictReader(open(sys.argv[1])))
 jobs = sorted({r["job"] for r in rows}, key=lambda j: [r["job"] for r in rows].index(j))
-print(f"{'job':<20} {'rbd-nbd-go IOPS':>16} {'rbd-nbd IOPS':>14} {'ratio':>7}")
+print(f"{'job':<20} {'rbd-nbd IOPS':>13} {'rbd-nbd-go':>11} {'ratio':>6} {'1 conn':>8} {'ratio':>6}")
 for job in jobs:
     med = lambda c: st.median(float(r["iops"]) for r in rows if r["job"] == job and r["contender"] == c)
-    a, b = med("ours"), med("ceph")
-    print(f"{job:<20} {a:>16.0f} {b:>14.0f} {a / b:>6.2f}x")
+    a, a1, b = med("ours"), med("ours1"), med("ceph")
+    print(f"{job:<20} {b:>13.0f} {a:>11.0f} {a / b:>5.2f}x {a1:>8.0f} {a1 / b:>5.2f}x")
 mt = lambda c: st.median(float(r["map_seconds"]) for r in rows if r["contender"] == c)
-print(f"map time (median)    rbd-nbd-go {mt('ours'):.2f}s   rbd-nbd {mt('ceph'):.2f}s")
+print(f"map time (median): rbd-nbd-go {mt('ours'):.2f}s, rbd-nbd {mt('ceph'):.2f}s")
 PY
 cat "$out/summary.txt"
 scripts/ceph-dev-cluster stop "$work/ceph" >/dev/null 2>&1

@@ -41,6 +41,7 @@ type conn struct {
 	// requests becomes one send. deferred counts their read payload;
 	// woken says a wake-up of the writer is already on its way.
 	deferred int
+	batched  bool // a Batch holds replies of ours until its Flush
 	woken    bool
 	wake     chan struct{}
 	stop     chan struct{}

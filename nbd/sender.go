@@ -81,6 +81,26 @@ func (c *conn) complete(r *Request) {
 	c.mu.Unlock()
 }
 
+// completeDeferred queues r for a Batch without waking anyone; true
+// when the batch must remember c (the first since its last flush).
+func (c *conn) completeDeferred(r *Request) bool {
+	c.mu.Lock()
+	c.done = append(c.done, r)
+	first := !c.batched
+	c.batched = true
+	c.mu.Unlock()
+	return first
+}
+
+// flushDeferred sends the replies a Batch queued, as the reader does
+// before it blocks.
+func (c *conn) flushDeferred() {
+	c.mu.Lock()
+	c.batched = false
+	c.mu.Unlock()
+	c.kick()
+}
+
 // wantSend makes sure somebody will send c.done (c.mu held): the token
 // holder looks again when it releases; otherwise wake the writer.
 func (c *conn) wantSend() {

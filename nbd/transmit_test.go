@@ -405,3 +405,52 @@ func TestNegotiatedFollowsResize(t *testing.T) {
 		t.Fatalf("handshake client beyond its negotiated size: errno %d", r.errno)
 	}
 }
+
+// TestBatchCompletion: requests of two connections completed through a
+// Batch all get their replies once it is flushed, with their errors; and a
+// request with no connection (nbd.Do) completes through it too.
+func TestBatchCompletion(t *testing.T) {
+	a := newAsync(1 << 20)
+	s := newTestServer(t, Export{Backend: a})
+	c1, c2 := connect(t, s), connect(t, s)
+	c1.open("", false)
+	c2.open("", false)
+	for i := range 4 {
+		c1.send(cmdRead, 0, uint64(i), uint64(i)*4096, 4096, nil)
+		c2.send(cmdRead, 0, uint64(10+i), 0, 512, nil)
+	}
+	held := a.wait(t, 8)
+	var b Batch
+	for i, r := range held {
+		var err error
+		if i == 0 {
+			err = ErrIO
+		}
+		b.Complete(r, err)
+	}
+	if len(b.conns) != 2 {
+		t.Fatalf("batch remembers %d connections, want 2", len(b.conns))
+	}
+	b.Flush()
+	errs := 0
+	for _, c := range []struct {
+		c *tclient
+		n int
+	}{{c1, 4096}, {c2, 512}} {
+		for range 4 {
+			if r := c.c.recv(c.n); r.errno != 0 {
+				errs++
+			}
+		}
+	}
+	if errs != 1 {
+		t.Fatalf("%d error replies, want 1", errs)
+	}
+	r := &Request{Op: OpFlush}
+	fin := make(chan struct{})
+	Go(a, r, func(*Request) { close(fin) })
+	held = a.wait(t, 1)
+	b.Complete(held[len(held)-1], nil)
+	b.Flush()
+	<-fin
+}

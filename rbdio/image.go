@@ -210,11 +210,11 @@ func (im *Image) Submit(r *nbd.Request) {
 			zf = zeroThick
 		}
 	default:
-		im.finish(tag, -int64(syscall.EINVAL))
+		im.finish(tag, -int64(syscall.EINVAL), nil)
 		return
 	}
 	if err := im.img.aio(op, r.Offset, uint64(r.Length), r.Data, zf, cs); err != nil {
-		im.finish(tag, -int64(err.(syscall.Errno)))
+		im.finish(tag, -int64(err.(syscall.Errno)), nil)
 	}
 }
 
@@ -244,9 +244,10 @@ func (im *Image) take(r *nbd.Request) (uint32, cSlot) {
 func (im *Image) reap() {
 	defer close(im.reaped)
 	var (
-		tags [pollBatch]uintptr
-		rets [pollBatch]int64
-		buf  [8]byte
+		tags  [pollBatch]uintptr
+		rets  [pollBatch]int64
+		buf   [8]byte
+		batch nbd.Batch
 	)
 	for {
 		if _, err := unix.Read(im.efd, buf[:]); err != nil && err != unix.EINTR {
@@ -255,8 +256,11 @@ func (im *Image) reap() {
 		for {
 			n := im.img.poll(&tags, &rets)
 			for i := range n {
-				im.finish(uint32(tags[i]), rets[i])
+				im.finish(uint32(tags[i]), rets[i], &batch)
 			}
+			// Replies go out from here, one send per connection per
+			// batch, without waking each connection's writer.
+			batch.Flush()
 			if n < pollBatch {
 				break
 			}
@@ -274,7 +278,7 @@ func (im *Image) reap() {
 
 // finish completes the request in slot tag with librbd's return value,
 // first chaining the flush a FUA write still owes.
-func (im *Image) finish(tag uint32, ret int64) {
+func (im *Image) finish(tag uint32, ret int64, batch *nbd.Batch) {
 	im.mu.Lock()
 	s := im.slots[tag]
 	if ret >= 0 && s.fua {
@@ -298,6 +302,10 @@ func (im *Image) finish(tag uint32, ret int64) {
 	var err error
 	if ret < 0 {
 		err = syscall.Errno(-ret)
+	}
+	if batch != nil {
+		batch.Complete(r, err)
+		return
 	}
 	r.Complete(err)
 }

@@ -75,7 +75,7 @@ for m in $mods; do
 done
 cp /bin/busybox "$work/initrd/bin/busybox"
 printf '%s\n' "$kver" > "$work/initrd/kver"
-printf '%s' "$share" > "$work/initrd/share"
+printf '%s' "$share" > "$work/initrd/sharepath"
 printf '%s\n' "$kdir/lib/modules/$kver" > "$work/initrd/kmods"
 
 cat > "$work/initrd/init" <<'INIT'
@@ -101,7 +101,7 @@ mount -t tmpfs tmpfs /newroot/dev/shm
 mount -t tmpfs tmpfs /newroot/tmp
 mount -t tmpfs tmpfs /newroot/run
 mount -t 9p -o $o out /newroot/vm-out
-if [ -s /share ]; then mkdir -p "/newroot$(cat /share)"; mount -t 9p -o $o share "/newroot$(cat /share)"; fi
+if [ -s /sharepath ]; then mkdir -p "/newroot$(cat /sharepath)"; mount -t 9p -o $o vmshare "/newroot$(cat /sharepath)"; fi
 ln -sf /proc/self/fd /newroot/dev/fd
 ln -sf /proc/self/fd/0 /newroot/dev/stdin
 ln -sf /proc/self/fd/1 /newroot/dev/stdout
@@ -141,7 +141,7 @@ timeout -k 10 "$timeout" qemu-system-x86_64 $qemu_accel -smp "$smp" -m "$mem" -M
 	-append "console=ttyS0 panic=-1 loglevel=3 mitigations=off edd=off rdinit=/init quiet" \
 	-virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap \
 	-virtfs local,path="$work/out",mount_tag=out,security_model=none \
-	${share:+-virtfs local,path=$share,mount_tag=share,security_model=none} </dev/null
+	${share:+-virtfs local,path=$share,mount_tag=vmshare,security_model=none} </dev/null
 qrc=$?
 set -e
 if [ -s "$work/out/rc" ]; then
