@@ -98,7 +98,7 @@ mount -t devtmpfs dev /newroot/dev
 mkdir -p /newroot/dev/pts /newroot/dev/shm
 mount -t devpts devpts /newroot/dev/pts
 mount -t tmpfs tmpfs /newroot/dev/shm
-mount -t tmpfs tmpfs /newroot/tmp
+# /tmp stays the overlay's: a checkout under the host's /tmp must be visible.
 mount -t tmpfs tmpfs /newroot/run
 mount -t 9p -o $o out /newroot/vm-out
 if [ -s /sharepath ]; then mkdir -p "/newroot$(cat /sharepath)"; mount -t 9p -o $o vmshare "/newroot$(cat /sharepath)"; fi
