@@ -33,7 +33,11 @@ map_ceph() { rbd-nbd --id admin -m "$mon" --keyfile="$work/admin.key" --rbd-cach
 unmap_ceph() { rbd-nbd unmap "$1"; sleep 1; }
 
 jobs="randread-4k-qd32:randread:4k:32 randwrite-4k-qd32:randwrite:4k:32 read-1m-qd8:read:1M:8 write-1m-qd8:write:1M:8"
-echo "contender,job,round,iops,bw_kib,map_seconds" > "$out/results.csv"
+# CPU of the serving process (ours: the daemon; Ceph's: the pid the
+# kernel records for the device), librbd's threads included.
+server_pid() { if [ "$1" = ceph ]; then cat /sys/block/nbd0/pid; else cat /run/rbd-nbd-go/daemon.lock; fi; }
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
+echo "contender,job,round,iops,bw_kib,map_seconds,cpu_us_per_io" > "$out/results.csv"
 for r in $(seq 1 "$rounds"); do
 	order="ours ours1 ceph"; [ $((r % 2)) -eq 0 ] && order="ceph ours1 ours"
 	for c in $order; do
@@ -43,14 +47,20 @@ for r in $(seq 1 "$rounds"); do
 		echo "bench: round $r $c $dev (map ${mt}s)"
 		for j in $jobs; do
 			IFS=: read -r name rw bs qd <<<"$j"
+			spid=$(server_pid $c); t0=$(cpu_ticks "$spid")
 			fio --name="$name" --filename="$dev" --ioengine=libaio --direct=1 --rw="$rw" --bs="$bs" \
 				--iodepth="$qd" --size=1G --time_based --runtime="$runtime" --ramp_time=2 \
 				--output-format=json > "$work/fio.json" 2>/dev/null
-			python3 - "$work/fio.json" "$c" "$name" "$r" "$mt" >> "$out/results.csv" <<'PY'
+			t1=$(cpu_ticks "$spid")
+			python3 - "$work/fio.json" "$c" "$name" "$r" "$mt" "$((t1 - t0))" "$(getconf CLK_TCK)" "$runtime" >> "$out/results.csv" <<'PY'
 import json, sys
 j = json.load(open(sys.argv[1]))["jobs"][0]
 d = j["read"] if j["read"]["io_bytes"] else j["write"]
-print(f"{sys.argv[2]},{sys.argv[3]},{sys.argv[4]},{d['iops']:.0f},{d['bw']},{sys.argv[5]}")
+ticks, hz, runtime = int(sys.argv[6]), int(sys.argv[7]), int(sys.argv[8])
+# CPU is sampled over ramp + runtime; scale I/O count to the same span.
+ios = d["iops"] * (runtime + 2)
+cpu = ticks * 1e6 / hz / ios if ios else 0
+print(f"{sys.argv[2]},{sys.argv[3]},{sys.argv[4]},{d['iops']:.0f},{d['bw']},{sys.argv[5]},{cpu:.0f}")
 PY
 			tail -1 "$out/results.csv"
 		done
@@ -61,11 +71,12 @@ python3 - "$out/results.csv" > "$out/summary.txt" <<'PY'
 import csv, sys, statistics as st
 rows = list(csv.DictReader(open(sys.argv[1])))
 jobs = sorted({r["job"] for r in rows}, key=lambda j: [r["job"] for r in rows].index(j))
-print(f"{'job':<20} {'rbd-nbd IOPS':>13} {'rbd-nbd-go':>11} {'ratio':>6} {'1 conn':>8} {'ratio':>6}")
+print(f"{'job':<20} {'rbd-nbd IOPS':>13} {'rbd-nbd-go':>11} {'ratio':>6} {'1 conn':>8} {'ratio':>6}   CPU us/IO: {'rbd-nbd':>8} {'ours':>6} {'ratio':>6}")
 for job in jobs:
-    med = lambda c: st.median(float(r["iops"]) for r in rows if r["job"] == job and r["contender"] == c)
+    med = lambda c, k="iops": st.median(float(r[k]) for r in rows if r["job"] == job and r["contender"] == c)
     a, a1, b = med("ours"), med("ours1"), med("ceph")
-    print(f"{job:<20} {b:>13.0f} {a:>11.0f} {a / b:>5.2f}x {a1:>8.0f} {a1 / b:>5.2f}x")
+    ca, cb = med("ours", "cpu_us_per_io"), med("ceph", "cpu_us_per_io")
+    print(f"{job:<20} {b:>13.0f} {a:>11.0f} {a / b:>5.2f}x {a1:>8.0f} {a1 / b:>5.2f}x   {'':>10} {cb:>8.0f} {ca:>6.0f} {ca / cb if cb else 0:>5.2f}x")
 mt = lambda c: st.median(float(r["map_seconds"]) for r in rows if r["contender"] == c)
 print(f"map time (median): rbd-nbd-go {mt('ours'):.2f}s, rbd-nbd {mt('ceph'):.2f}s")
 PY
