@@ -12,6 +12,8 @@ B=$PWD/bin/rbd-nbd-go
 export RBD_NBD_GO_STATE_DIR=/run/rbd-nbd-go
 runtime=${BENCH_RUNTIME:-15}
 rounds=${BENCH_ROUNDS:-2}
+# BENCH_PROFILE=1: a Go CPU profile of the daemon over all its runs.
+[ -n "${BENCH_PROFILE:-}" ] && export RBD_NBD_GO_CPU_PROFILE=$out/daemon.pprof
 work=$(mktemp -d /tmp/bench.XXXXXX)
 export CEPH_CONF
 CEPH_CONF=$(scripts/ceph-dev-cluster start "$work/ceph" --timeout 120) || exit 1
@@ -81,5 +83,5 @@ mt = lambda c: st.median(float(r["map_seconds"]) for r in rows if r["contender"]
 print(f"map time (median): rbd-nbd-go {mt('ours'):.2f}s, rbd-nbd {mt('ceph'):.2f}s")
 PY
 cat "$out/summary.txt"
+pkill -f "$B daemon"; sleep 2
 scripts/ceph-dev-cluster stop "$work/ceph" >/dev/null 2>&1
-pkill -f "$B daemon"

@@ -154,6 +154,7 @@ scenario_e() { # kill -9 the daemon mid-fio; ceph-csi's attach; no errors
 	sleep 4
 	pid=$(cat /run/rbd-nbd-go/daemon.lock)
 	check "daemon pid known" test -n "$pid"
+	check "fio is mid-run at the kill" kill -0 $fiopid
 	kill -9 "$pid"
 	log "  killed daemon $pid mid-write"
 	sleep 2
@@ -229,7 +230,29 @@ scenario_h() { # the ioctl fallback (forced: this kernel has netlink)
 	pkill -f "$B daemon"; sleep 0.5
 }
 
-[ $# -gt 0 ] || set -- a b c d e f g h
+scenario_i() { # io-timeout fires while the daemon is frozen: LINK_DEAD, new sockets, no errors
+	local dev pid
+	check "map --io-timeout 3 --connections 2" eval 'dev=$($B map --connections 2 --io-timeout 3 --reattach-timeout 60 mem:128M) && [ -b "$dev" ]'
+	dmesg -C
+	fio --name=stall --filename="$dev" --size=16M --ioengine=libaio --direct=1 --rw=randwrite --bs=4k \
+		--iodepth=8 --verify=crc32c --verify_fatal=1 --do_verify=1 --loops=3 \
+		--output-format=terse --terse-version=3 >"$work/fio-i.out" 2>&1 &
+	local fiopid=$!
+	sleep 2
+	pid=$(cat /run/rbd-nbd-go/daemon.lock)
+	kill -STOP "$pid"; sleep 8; kill -CONT "$pid"
+	log "  froze the daemon 8 s (io-timeout 3 s)"
+	wait $fiopid
+	local rc=$?
+	dmesg > "$work/dmesg-i"
+	check "the kernel timed requests out" grep -q "timed out" "$work/dmesg-i"
+	check "dead connections were replaced (LINK_DEAD)" eval 'grep -q "replaced a dead connection.*err=<nil>" /run/rbd-nbd-go/daemon.log'
+	check "fio finished without I/O or verify errors (rc $rc)" eval '[ $rc -eq 0 ] && awk -F";" "/^3;/ { n++; if (\$5 != 0) bad = 1 } END { exit (bad || n == 0) }" $work/fio-i.out'
+	[ $rc -eq 0 ] || tail -5 "$work/fio-i.out"
+	check "unmap" $B unmap "$dev"
+}
+
+[ $# -gt 0 ] || set -- a b c d e f g h i
 for s in "$@"; do run_scenario "$s" "scenario_$s"; done
 [ $cluster_up -eq 1 ] && scripts/ceph-dev-cluster stop "$work/ceph" >/dev/null 2>&1
 pkill -f "$B daemon" 2>/dev/null

@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"runtime/pprof"
 	"strconv"
 	"strings"
 	"syscall"
@@ -80,6 +81,13 @@ func runDaemon(log *slog.Logger, stateDir string, mod kernel.ModuleOptions, read
 	}
 	lock.Truncate(0)
 	lock.WriteString(strconv.Itoa(os.Getpid()) + "\n")
+	if p := os.Getenv("RBD_NBD_GO_CPU_PROFILE"); p != "" {
+		// Development: profile the daemon until it stops (SIGTERM).
+		if f, err := os.Create(p); err == nil {
+			pprof.StartCPUProfile(f)
+			defer func() { pprof.StopCPUProfile(); f.Close() }()
+		}
+	}
 	protectFromReclaim(log)
 	ctl, err := kernel.Open(mod)
 	if err != nil {

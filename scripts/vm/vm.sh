@@ -62,7 +62,7 @@ mkdir -p "$work/initrd/bin" "$work/initrd/mods" "$work/initrd/proc" "$work/initr
 # Modules for 9p, overlay, loop, ext4 and xfs, in dependency order. nbd is
 # deliberately not loaded: rbd-nbd-go loads it itself (pmorjan/kmod).
 mods="virtio/virtio_ring virtio/virtio_pci_modern_dev virtio/virtio_pci_legacy_dev virtio/virtio
-virtio/virtio_pci net/9p/9pnet net/9p/9pnet_virtio fs/netfs/netfs fs/fscache/fscache fs/9p/9p
+virtio/virtio_pci char/hw_random/virtio-rng net/9p/9pnet net/9p/9pnet_virtio fs/netfs/netfs fs/fscache/fscache fs/9p/9p
 fs/overlayfs/overlay drivers/block/loop arch/x86/crypto/crc32c-intel crypto/crc32c_generic
 lib/libcrc32c fs/jbd2/jbd2 fs/mbcache lib/crc16 fs/ext4/ext4 fs/xfs/xfs"
 : > "$work/initrd/modules"
@@ -137,6 +137,7 @@ qemu_accel="-accel tcg,thread=multi,tb-size=512 -cpu max"
 set +e
 timeout -k 10 "$timeout" qemu-system-x86_64 $qemu_accel -smp "$smp" -m "$mem" -M q35 \
 	-nodefaults -no-user-config -display none -monitor none -serial stdio -no-reboot -nic none \
+	-object rng-random,id=rng0,filename=/dev/urandom -device virtio-rng-pci,rng=rng0 \
 	-kernel "$vmlinuz" -initrd "$work/initrd.gz" \
 	-append "console=ttyS0 panic=-1 loglevel=3 mitigations=off edd=off rdinit=/init quiet" \
 	-virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap \
