@@ -26,10 +26,16 @@ type Options struct {
 	Keyring string `json:"keyring,omitempty"`  // --keyring
 	Keyfile string `json:"keyfile,omitempty"`  // --keyfile: a file holding the bare secret
 	Key     string `json:"key,omitempty"`      // the bare secret itself
-	// OpTimeout bounds each RADOS operation (rados osd/mon op timeout)
-	// and the initial connection; 0 means 30s. A blocked librbd call
-	// would otherwise wait forever.
+	// OpTimeout bounds connecting and monitor operations (rados mon op
+	// timeout, client mount timeout); 0 means 30s, so a wrong address or
+	// a dead cluster is reported instead of hanging.
 	OpTimeout time.Duration `json:"op_timeout,omitempty"`
+	// OSDOpTimeout bounds each OSD operation (rados osd op timeout),
+	// which is every data-path I/O. 0, the default, waits as krbd does:
+	// a block device should ride out an OSD outage rather than fail I/O
+	// (the kernel's own --io-timeout decides), and an armed timer per op
+	// costs CPU on every request.
+	OSDOpTimeout time.Duration `json:"osd_op_timeout,omitempty"`
 }
 
 // String describes the identity without the secret.
@@ -145,7 +151,7 @@ func connect(o Options) (*rados.Conn, error) {
 	}
 	secs := strconv.Itoa(int(o.timeout().Seconds()))
 	set := []struct{ k, v string }{
-		{"rados_osd_op_timeout", secs},
+		{"rados_osd_op_timeout", strconv.Itoa(int(o.OSDOpTimeout.Seconds()))},
 		{"rados_mon_op_timeout", secs},
 		{"client_mount_timeout", secs},
 		// Acknowledged writes must not live only in this process: a

@@ -31,7 +31,9 @@ func addGlobalFlags(f *pflag.FlagSet, g *globalOpts) {
 	f.StringVar(&o.Keyring, "keyring", "", "keyring file")
 	f.StringVar(&o.Keyfile, "keyfile", "", "file holding the bare secret key")
 	f.DurationVar(&o.OpTimeout, "op-timeout", 30*time.Second,
-		"bound on each RADOS operation and on connecting (rados osd/mon op timeout)")
+		"bound on connecting and on monitor operations (rados mon op timeout)")
+	f.DurationVar(&o.OSDOpTimeout, "osd-op-timeout", 0,
+		"bound on each OSD operation, i.e. every I/O (rados osd op timeout); 0 waits, as krbd does")
 	f.StringVar(&g.logFile, "log-file", "", "append this command's outcome here (the node daemon logs to STATE_DIR/daemon.log)")
 	f.StringVar(&g.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	def := os.Getenv("RBD_NBD_GO_STATE_DIR")
