@@ -6,6 +6,7 @@ require (
 	github.com/ceph/go-ceph v0.41.0
 	github.com/mdlayher/genetlink v1.3.2
 	github.com/mdlayher/netlink v1.7.2
+	github.com/moby/sys/mountinfo v0.7.2
 	github.com/pmorjan/kmod v1.1.1
 	github.com/spf13/cobra v1.8.1
 	github.com/spf13/pflag v1.0.5

@@ -34,7 +34,7 @@ type Config struct {
 	// SysBlock and Dev default to /sys/block and /dev; tests move them.
 	SysBlock, Dev string
 	// Quiesce runs a device's quiesce hook; nil uses RunQuiesceHook.
-	Quiesce func(rec Record, quiesce bool) error
+	Quiesce func(rec Record, quiesce bool) (target string, err error)
 	// ReattachWait bounds how long a reattach waits for the kernel to
 	// notice the old connections are dead.
 	ReattachWait time.Duration
@@ -49,10 +49,24 @@ type Manager struct {
 	devs map[int]*device
 }
 
+// Lock order: device.mu before Manager.mu, never the other way.
 type device struct {
-	mu  sync.Mutex // serialises map/unmap/attach/detach/resize of this device
+	mu sync.Mutex // serialises map/unmap/attach/detach/resize of this device
+	// rec changes only with both mu and Manager.mu held once the device
+	// is in Manager.devs, so either lock is enough to read it.
 	rec Record
 	s   *served // nil while detached
+}
+
+// stopServing finishes the requests in flight, flushes and closes the
+// backend; the kernel side stays (d.mu held).
+func (d *device) stopServing() error {
+	if d.s == nil {
+		return nil
+	}
+	err := d.s.stop(30 * time.Second)
+	d.s = nil
+	return err
 }
 
 // NewManager returns a Manager with no devices; Restore takes back those
@@ -84,8 +98,8 @@ func (m *Manager) backendOptions(d *device) backend.Options {
 	if rec.Quiesce {
 		o.OnQuiesce = func(q bool) error {
 			rec := d.recCopy()
-			err := m.cfg.Quiesce(rec, q)
-			m.log.Info("snapshot quiesce hook", "device", rec.Device(), "quiesce", q, "err", err)
+			target, err := m.cfg.Quiesce(rec, q)
+			m.log.Info("snapshot quiesce hook", "device", rec.Device(), "quiesce", q, "target", target, "err", err)
 			return err
 		}
 	}
@@ -229,43 +243,50 @@ func (m *Manager) resized(d *device, size uint64) {
 	m.log.Info("resized", "device", d.rec.Device(), "size", size)
 }
 
-// Find resolves a device path (/dev/nbdN) or a spec to a mapped device.
-func (m *Manager) Find(target string) (Record, error) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	for _, d := range m.devs {
-		if d.rec.Device() == target || sameSpec(d.rec.Spec, target) {
-			return d.rec, nil
+// lockTarget resolves a device path (/dev/nbdN) or a spec to a mapped
+// device and returns it locked. A device unmapped between the lookup and
+// the lock is looked up again.
+func (m *Manager) lockTarget(target string) (*device, error) {
+	for {
+		var found *device
+		m.mu.Lock()
+		for _, d := range m.devs {
+			if d.rec.Device() == target || sameSpec(d.rec.Spec, target) {
+				found = d
+				break
+			}
 		}
+		m.mu.Unlock()
+		if found == nil {
+			return nil, ErrNotMapped
+		}
+		found.mu.Lock()
+		if m.get(found.rec.Index) == found {
+			return found, nil
+		}
+		found.mu.Unlock()
 	}
-	return Record{}, ErrNotMapped
 }
 
 // sameSpec compares specs as Ceph would: "img" is "rbd/img".
 func sameSpec(a, b string) bool {
-	if a == b {
-		return true
+	pa, erra := backend.ParseSpec(a)
+	pb, errb := backend.ParseSpec(b)
+	if erra != nil || errb != nil {
+		return a == b
 	}
-	norm := func(s string) string {
-		s = strings.TrimPrefix(s, "rbd:")
-		if is, err := rbdio.ParseImageSpec(s); err == nil {
-			return is.String()
-		}
-		return s
-	}
-	return norm(a) == norm(b)
+	return pa.String() == pb.String()
 }
 
 // Unmap flushes and disconnects a device and forgets it. A mounted (or
 // exclusively opened) device is refused with ErrBusy.
 func (m *Manager) Unmap(target string) error {
-	rec, err := m.Find(target)
+	d, err := m.lockTarget(target)
 	if err != nil {
 		return err
 	}
-	d := m.get(rec.Index)
-	d.mu.Lock()
 	defer d.mu.Unlock()
+	rec := d.rec
 	path := filepath.Join(m.cfg.Dev, fmt.Sprintf("nbd%d", rec.Index))
 	if f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_EXCL, 0); err == nil {
 		// Push the device's page cache down before the sockets go.
@@ -275,11 +296,7 @@ func (m *Manager) Unmap(target string) error {
 		return fmt.Errorf("%s: %w (mounted or held open)", rec.Device(), ErrBusy)
 	}
 	derr := m.cfg.Kernel.Disconnect(rec.Index)
-	var serr error
-	if d.s != nil {
-		serr = d.s.stop(30 * time.Second)
-		d.s = nil
-	}
+	serr := d.stopServing()
 	m.drop(rec.Index)
 	err = errors.Join(derr, serr, m.cfg.Store.Remove(rec.Index))
 	m.log.Info("unmapped", "device", rec.Device(), "spec", rec.Spec, "err", err)
@@ -289,19 +306,17 @@ func (m *Manager) Unmap(target string) error {
 // Detach stops serving a device but leaves it in the kernel, waiting up
 // to its reattach timeout for Attach.
 func (m *Manager) Detach(target string) error {
-	rec, err := m.Find(target)
+	d, err := m.lockTarget(target)
 	if err != nil {
 		return err
 	}
-	d := m.get(rec.Index)
-	d.mu.Lock()
 	defer d.mu.Unlock()
-	if d.s != nil {
-		err = d.s.stop(30 * time.Second)
-		d.s = nil
-	}
+	err = d.stopServing()
+	m.mu.Lock()
 	d.rec.Detached = true
-	return errors.Join(err, m.cfg.Store.Save(d.rec))
+	rec := d.rec
+	m.mu.Unlock()
+	return errors.Join(err, m.cfg.Store.Save(rec))
 }
 
 // Attach serves an existing kernel device again (after Detach, or after
@@ -380,43 +395,45 @@ func mergeAttach(cur, req Record) Record {
 // dead socket is left — or, for the first one, that the kernel has not
 // yet noticed the old server is gone, so that one is retried.
 func (m *Manager) reattach(rec *Record, s *served) error {
-	size := s.opened.Backend.Size()
 	deadline := time.Now().Add(m.cfg.ReattachWait)
 	attached := 0
 	for attached < maxConnections {
-		kEnds, ours, err := socketpairs(1)
-		if err != nil {
-			return err
-		}
 		rc := kernel.Reconfig{BackendID: rec.Cookie, DeadConnTimeout: rec.ReattachTimeout}
 		if attached == 0 {
-			rc.Size, rc.BlockSize = size, rec.BlockSize
+			rc.Size, rc.BlockSize = s.opened.Backend.Size(), rec.BlockSize
 		}
-		err = m.cfg.Kernel.Reconfigure(rec.Index, rc, kEnds)
-		if err == nil {
-			err = s.serve(ours, m.log)
-			closeAll(kEnds)
-			if err != nil {
-				return err
-			}
+		err := m.addSocket(rec.Index, rc, s)
+		switch {
+		case err == nil:
 			attached++
 			continue
-		}
-		closeAll(kEnds)
-		closeAll(ours)
-		if !errors.Is(err, syscall.ENOSPC) {
+		case !errors.Is(err, syscall.ENOSPC):
 			return err
-		}
-		if attached > 0 {
-			break
-		}
-		if time.Now().After(deadline) {
+		case attached > 0:
+			rec.Connections = attached
+			return nil
+		case time.Now().After(deadline):
 			return err
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
 	rec.Connections = attached
 	return nil
+}
+
+// addSocket gives a connected device one more connection through
+// RECONFIGURE (it replaces a dead one) and serves our end.
+func (m *Manager) addSocket(index int, rc kernel.Reconfig, s *served) error {
+	kEnds, ours, err := socketpairs(1)
+	if err != nil {
+		return err
+	}
+	defer closeAll(kEnds)
+	if err := m.cfg.Kernel.Reconfigure(index, rc, kEnds); err != nil {
+		closeAll(ours)
+		return err
+	}
+	return s.serve(ours, m.log)
 }
 
 // ReplaceDead gives a served device a fresh connection after the kernel
@@ -432,15 +449,7 @@ func (m *Manager) ReplaceDead(index int) {
 	if d.s == nil {
 		return
 	}
-	kEnds, ours, err := socketpairs(1)
-	if err != nil {
-		return
-	}
-	defer closeAll(kEnds)
-	if err := d.s.serve(ours, m.log); err != nil {
-		return
-	}
-	err = m.cfg.Kernel.Reconfigure(index, kernel.Reconfig{BackendID: d.rec.Cookie}, kEnds)
+	err := m.addSocket(index, kernel.Reconfig{BackendID: d.rec.Cookie}, d.s)
 	m.log.Info("replaced a dead connection", "device", d.rec.Device(), "err", err)
 }
 
@@ -462,7 +471,7 @@ func (m *Manager) Restore() error {
 			m.mu.Unlock()
 			continue
 		}
-		if strings.HasPrefix(rec.Spec, "mem:") {
+		if sp, _ := backend.ParseSpec(rec.Spec); sp.Kind == "mem" {
 			// Its data died with the old process: serving an empty
 			// disk in its place would be silent corruption.
 			m.log.Warn("disconnecting a memory device lost with the previous process", "device", rec.Device())
@@ -505,10 +514,7 @@ func (m *Manager) Close() error {
 	var errs []error
 	for _, d := range devs {
 		d.mu.Lock()
-		if d.s != nil {
-			errs = append(errs, d.s.stop(30*time.Second))
-			d.s = nil
-		}
+		errs = append(errs, d.stopServing())
 		d.mu.Unlock()
 	}
 	return errors.Join(errs...)

@@ -1,15 +1,14 @@
 package attach
 
 import (
-	"bufio"
 	"context"
 	"fmt"
 	"os"
 	"os/exec"
-	"strconv"
 	"strings"
 	"time"
 
+	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 )
 
@@ -22,8 +21,9 @@ const (
 // RunQuiesceHook runs rec's hook as "HOOK DEVICE quiesce|unquiesce" (the
 // interface of Ceph's rbd-nbd-quiesce-hook), or, without a hook, freezes
 // and thaws the filesystem mounted on the device, so the snapshot librbd
-// is about to take is consistent.
-func RunQuiesceHook(rec Record, quiesce bool) error {
+// is about to take is consistent. It returns what it acted on (the hook,
+// a mount point, or "" when nothing is mounted), for the log.
+func RunQuiesceHook(rec Record, quiesce bool) (string, error) {
 	verb := "unquiesce"
 	if quiesce {
 		verb = "quiesce"
@@ -33,17 +33,17 @@ func RunQuiesceHook(rec Record, quiesce bool) error {
 		defer cancel()
 		out, err := exec.CommandContext(ctx, rec.QuiesceHook, rec.Device(), verb).CombinedOutput()
 		if err != nil {
-			return fmt.Errorf("quiesce hook %s %s: %v: %s", rec.QuiesceHook, verb, err, strings.TrimSpace(string(out)))
+			err = fmt.Errorf("quiesce hook %s %s: %v: %s", rec.QuiesceHook, verb, err, strings.TrimSpace(string(out)))
 		}
-		return nil
+		return rec.QuiesceHook, err
 	}
 	mnt, err := mountPoint(rec.Index)
 	if err != nil || mnt == "" {
-		return err // nothing mounted: nothing to freeze
+		return "", err // nothing mounted: nothing to freeze
 	}
 	f, err := os.Open(mnt)
 	if err != nil {
-		return err
+		return mnt, err
 	}
 	defer f.Close()
 	req := uintptr(fiThaw)
@@ -51,49 +51,25 @@ func RunQuiesceHook(rec Record, quiesce bool) error {
 		req = fiFreeze
 	}
 	if _, _, e := unix.Syscall(unix.SYS_IOCTL, f.Fd(), req, 0); e != 0 && !(e == unix.EINVAL && !quiesce) {
-		return fmt.Errorf("%s %s: %w", verb, mnt, e)
+		return mnt, fmt.Errorf("%s %s: %w", verb, mnt, e)
 	}
-	return nil
+	return mnt, nil
 }
 
-// mountPoint finds where /dev/nbdN is mounted, from mountinfo's
-// major:minor (device paths there can be anything).
+// mountPoint finds where /dev/nbdN is mounted, by major:minor (the
+// source path in mountinfo can be anything).
 func mountPoint(index int) (string, error) {
 	var st unix.Stat_t
 	if err := unix.Stat(fmt.Sprintf("/dev/nbd%d", index), &st); err != nil {
 		return "", err
 	}
-	want := fmt.Sprintf("%d:%d", unix.Major(st.Rdev), unix.Minor(st.Rdev))
-	f, err := os.Open("/proc/self/mountinfo")
-	if err != nil {
+	major, minor := int(unix.Major(st.Rdev)), int(unix.Minor(st.Rdev))
+	mounts, err := mountinfo.GetMounts(func(i *mountinfo.Info) (skip, stop bool) {
+		found := i.Major == major && i.Minor == minor
+		return !found, found
+	})
+	if err != nil || len(mounts) == 0 {
 		return "", err
 	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		fields := strings.Fields(sc.Text())
-		if len(fields) > 4 && fields[2] == want {
-			return unescapeOctal(fields[4]), nil
-		}
-	}
-	return "", sc.Err()
-}
-
-// unescapeOctal undoes mountinfo's \040-style escapes.
-func unescapeOctal(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(n))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
+	return mounts[0].Mountpoint, nil
 }

@@ -13,10 +13,10 @@ func TestQuiesceHookGetsDeviceAndVerb(t *testing.T) {
 	hook := filepath.Join(dir, "hook")
 	os.WriteFile(hook, []byte("#!/bin/sh\necho \"$1 $2\" >> "+out+"\n[ \"$2\" != quiesce ] || [ ! -e "+dir+"/fail ]\n"), 0o755)
 	rec := Record{Index: 3, QuiesceHook: hook}
-	if err := RunQuiesceHook(rec, true); err != nil {
-		t.Fatal(err)
+	if target, err := RunQuiesceHook(rec, true); err != nil || target != hook {
+		t.Fatal(target, err)
 	}
-	if err := RunQuiesceHook(rec, false); err != nil {
+	if _, err := RunQuiesceHook(rec, false); err != nil {
 		t.Fatal(err)
 	}
 	b, _ := os.ReadFile(out)
@@ -24,13 +24,7 @@ func TestQuiesceHookGetsDeviceAndVerb(t *testing.T) {
 		t.Fatalf("hook calls %q", b)
 	}
 	os.WriteFile(filepath.Join(dir, "fail"), nil, 0o600)
-	if err := RunQuiesceHook(rec, true); err == nil || !strings.Contains(err.Error(), "quiesce hook") {
+	if _, err := RunQuiesceHook(rec, true); err == nil || !strings.Contains(err.Error(), "quiesce hook") {
 		t.Fatalf("failing hook: %v", err)
-	}
-}
-
-func TestUnescapeOctal(t *testing.T) {
-	if got := unescapeOctal(`/mnt/a\040b\011c`); got != "/mnt/a b\tc" {
-		t.Fatalf("got %q", got)
 	}
 }

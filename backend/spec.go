@@ -47,25 +47,70 @@ func (o *Opened) Close() error {
 	return o.close()
 }
 
-// Open parses spec and opens it.
-func Open(spec string, o Options) (*Opened, error) {
-	readOnly := o.ReadOnly
+// Spec is a parsed device spec. Every component that needs to know what a
+// spec names (the CLI before it contacts the daemon, list-mapped, the
+// daemon matching targets) goes through ParseSpec.
+type Spec struct {
+	Kind  string          // rbd, rbd-sync, mem or file
+	Arg   string          // what follows "kind:"
+	Image rbdio.ImageSpec // for rbd and rbd-sync
+	Size  uint64          // for mem
+}
+
+// IsRBD reports whether the spec names an RBD image.
+func (s Spec) IsRBD() bool { return s.Kind == "rbd" || s.Kind == "rbd-sync" }
+
+// String is the canonical form: "pool/image" and "rbd:rbd/image" compare
+// equal as Ceph would have them.
+func (s Spec) String() string {
+	if s.Kind == "rbd" {
+		return s.Image.String()
+	}
+	return s.Kind + ":" + s.Arg
+}
+
+// ParseSpec checks a spec's syntax without opening anything. A spec
+// without "kind:" is an RBD image.
+func ParseSpec(spec string) (Spec, error) {
 	kind, arg, ok := strings.Cut(spec, ":")
 	if !ok {
 		kind, arg = "rbd", spec
 	}
+	s := Spec{Kind: kind, Arg: arg}
 	if arg == "" {
-		return nil, fmt.Errorf("bad spec %q: want [rbd:]pool/image, mem:SIZE or file:PATH", spec)
+		return s, fmt.Errorf("bad spec %q: want [rbd:]pool/image, mem:SIZE or file:PATH", spec)
 	}
-	if kind != "rbd" && (o.Exclusive || o.Encryption.Format != "") {
+	var err error
+	switch kind {
+	case "rbd", "rbd-sync":
+		s.Image, err = rbdio.ParseImageSpec(arg)
+	case "mem":
+		if s.Size, err = ParseSize(arg); err != nil {
+			err = fmt.Errorf("bad spec %q: %w", spec, err)
+		}
+	case "file":
+	default:
+		err = fmt.Errorf("bad spec %q: unknown kind %q (want rbd, mem or file)", spec, kind)
+	}
+	return s, err
+}
+
+// Open parses spec and opens it.
+func Open(spec string, o Options) (*Opened, error) {
+	readOnly := o.ReadOnly
+	sp, err := ParseSpec(spec)
+	if err != nil {
+		return nil, err
+	}
+	if !sp.IsRBD() && (o.Exclusive || o.Encryption.Format != "") {
 		return nil, fmt.Errorf("--exclusive and encryption apply to RBD images only")
 	}
-	switch kind {
+	if sp.IsRBD() && o.Clusters == nil {
+		return nil, errors.New("rbd spec without a cluster registry")
+	}
+	is, arg := sp.Image, sp.Arg
+	switch sp.Kind {
 	case "rbd":
-		is, err := rbdSpec(arg, o)
-		if err != nil {
-			return nil, err
-		}
 		im, err := rbdio.Open(o.Clusters, o.Ceph, is, rbdio.OpenOptions{
 			ReadOnly: readOnly, Exclusive: o.Exclusive, OnResize: o.OnResize,
 			Encryption: o.Encryption, OnQuiesce: o.OnQuiesce})
@@ -77,10 +122,6 @@ func Open(spec string, o Options) (*Opened, error) {
 		// go-ceph's blocking calls on a worker pool: the bench's baseline
 		// for what the aio path buys. One worker per request in flight,
 		// as a goroutine-per-request design would have.
-		is, err := rbdSpec(arg, o)
-		if err != nil {
-			return nil, err
-		}
 		im, err := rbdio.OpenSync(o.Clusters, o.Ceph, is)
 		if err != nil {
 			return nil, err
@@ -90,15 +131,11 @@ func Open(spec string, o Options) (*Opened, error) {
 			return errors.Join(p.Close(), im.Close())
 		}}, nil
 	case "mem":
-		size, err := ParseSize(arg)
-		if err != nil {
-			return nil, fmt.Errorf("bad spec %q: %w", spec, err)
-		}
 		// Copies under 128 KiB run inline; larger ones on two workers,
 		// so a 1 MiB write's copy overlaps reading the next payload.
-		p := nbd.NewHybrid(mem.New(size, readOnly), 2, 128<<10)
+		p := nbd.NewHybrid(mem.New(sp.Size, readOnly), 2, 128<<10)
 		return &Opened{Backend: p, Describe: "memory " + arg, close: p.Close}, nil
-	case "file":
+	default: // file
 		d, err := filedev.Open(arg, readOnly)
 		if err != nil {
 			return nil, err
@@ -110,15 +147,6 @@ func Open(spec string, o Options) (*Opened, error) {
 			return errors.Join(p.Close(), d.Close())
 		}}, nil
 	}
-	return nil, fmt.Errorf("bad spec %q: unknown kind %q (want rbd, mem or file)", spec, kind)
-}
-
-func rbdSpec(arg string, o Options) (rbdio.ImageSpec, error) {
-	is, err := rbdio.ParseImageSpec(arg)
-	if err == nil && o.Clusters == nil {
-		err = errors.New("rbd spec without a cluster registry")
-	}
-	return is, err
 }
 
 // ParseSize reads sizes like 4096, 512K, 64M, 1G, 2T, 1GiB (binary units).

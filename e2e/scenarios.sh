@@ -33,22 +33,35 @@ run_scenario() {
 		log "PASS scenario $name (${dt}s)"
 	fi
 }
+all_io_flushers() { # every thread of PID has PF_MEMALLOC_NOIO (what PR_SET_IO_FLUSHER sets)
+	local f fl n=0
+	for f in /proc/$1/task/*/stat; do
+		fl=$(sed 's/.*) //' "$f" | awk '{print $7}')
+		[ $(( fl & 0x80000 )) -ne 0 ] || { log "  thread ${f%/stat} lacks PF_MEMALLOC_NOIO"; return 1; }
+		n=$((n + 1))
+	done
+	log "  $n daemon threads, all IO flushers"
+	[ $n -gt 1 ]
+}
 no_devices() { # nothing mapped: list-mapped empty and no nbd has a server
 	[ "$($B list-mapped --format json)" = "[]" ] || return 1
 	for p in /sys/block/nbd*/pid; do [ -e "$p" ] && return 1; done
 	return 0
 }
-fio_verify() { # fio_verify FILE_OR_DEV SIZE [extra fio args]: write+verify, crc32c
-	local target=$1 size=$2; shift 2
-	timeout -k 5 ${FIO_TIMEOUT:-300} fio --name=verify --filename="$target" --size="$size" --ioengine=libaio --direct=1 \
-		--rw=randwrite --bs=4k --iodepth=32 --verify=crc32c --verify_fatal=1 \
-		--do_verify=1 --group_reporting --output-format=terse --terse-version=3 "$@" >"$work/fio.out" 2>&1
-	local rc=$?
-	[ $rc -eq 0 ] || { tail -5 "$work/fio.out"; return $rc; }
-	# terse v3: field 5 is the job's error; verify errors fail the run.
-	awk -F';' '/^3;/ { n++; if ($5 != 0) bad = 1 } END { exit (bad || n == 0) }' "$work/fio.out" ||
-		{ grep -v '^3;' "$work/fio.out" | tail -5; return 1; }
+fio_run() { # fio_run OUT FILE_OR_DEV SIZE [extra fio args]: 4k randwrite + crc32c verify
+	local out=$1 target=$2 size=$3; shift 3
+	timeout -k 5 ${FIO_TIMEOUT:-600} fio --name=verify --filename="$target" --size="$size" --ioengine=libaio \
+		--direct=1 --rw=randwrite --bs=4k --iodepth=32 --verify=crc32c --verify_fatal=1 --do_verify=1 \
+		--group_reporting --output-format=terse --terse-version=3 "$@" >"$out" 2>&1
 }
+fio_clean() { # fio_clean OUT RC: fio exited 0 and no job reported an error
+	local out=$1 rc=$2
+	[ "$rc" -eq 0 ] || { tail -5 "$out"; return 1; }
+	# terse v3: field 5 is the job's error; verify errors fail the run.
+	awk -F';' '/^3;/ { n++; if ($5 != 0) bad = 1 } END { exit (bad || n == 0) }' "$out" ||
+		{ grep -v '^3;' "$out" | tail -5; return 1; }
+}
+fio_verify() { fio_run "$work/fio.out" "$@"; fio_clean "$work/fio.out" $?; }
 
 # --- the cluster (inside the VM, on lo)
 cluster_up=0
@@ -75,6 +88,9 @@ scenario_a() { # mem and file specs: ext4, fio verify, unmap
 	local dev
 	check "map mem:256M prints a device" eval 'dev=$($B map mem:256M) && [ -b "$dev" ]'
 	check "nbd module loaded on demand" test -d /sys/module/nbd
+	local pid=$(cat /run/rbd-nbd-go/daemon.lock)
+	check "every daemon thread is marked PR_SET_IO_FLUSHER" all_io_flushers "$pid"
+	check "daemon memory is locked (VmLck > 0)" eval '[ $(awk "/VmLck/ {print \$2}" /proc/$pid/status) -gt 0 ]'
 	check "mkfs.ext4" mkfs.ext4 -q -F "$dev"
 	mkdir -p "$work/mnt"
 	check "mount" mount "$dev" "$work/mnt"
@@ -147,9 +163,7 @@ scenario_e() { # kill -9 the daemon mid-fio; ceph-csi's attach; no errors
 	rbd create --size 256M rbd/vol-e
 	local dev pid
 	check "map" eval 'dev=$(csi_map rbd/vol-e vol-e-cookie --connections 2) && [ -b "$dev" ]'
-	fio --name=crash --filename="$dev" --size=32M --ioengine=libaio --direct=1 --rw=randwrite --bs=4k \
-		--iodepth=16 --verify=crc32c --verify_fatal=1 --do_verify=1 --loops=2 \
-		--output-format=terse --terse-version=3 >"$work/fio-e.out" 2>&1 &
+	fio_run "$work/fio-e.out" "$dev" 32M --iodepth=16 --loops=2 &
 	local fiopid=$!
 	sleep 4
 	pid=$(cat /run/rbd-nbd-go/daemon.lock)
@@ -162,8 +176,7 @@ scenario_e() { # kill -9 the daemon mid-fio; ceph-csi's attach; no errors
 	check "a new daemon serves it" eval '[ "$(cat /run/rbd-nbd-go/daemon.lock)" != "$pid" ]'
 	wait $fiopid
 	local rc=$?
-	check "fio finished without I/O or verify errors (rc $rc)" eval '[ $rc -eq 0 ] && awk -F";" "/^3;/ { n++; if (\$5 != 0) bad = 1 } END { exit (bad || n == 0) }" $work/fio-e.out'
-	[ $rc -eq 0 ] || tail -5 "$work/fio-e.out"
+	check "fio finished without I/O or verify errors (rc $rc)" fio_clean "$work/fio-e.out" $rc
 	dmesg > "$work/dmesg"
 	check "kernel logged no I/O error" eval '! grep -q "I/O error, dev ${dev#/dev/}" $work/dmesg'
 	# A restart of the daemon alone (SIGTERM, then any command) also reattaches.
@@ -212,7 +225,7 @@ scenario_g() { # quiesce: snapshot freezes and thaws the filesystem
 	check "map --quiesce" eval 'dev=$(csi_map rbd/vol-g g --quiesce) && mkfs.ext4 -q -F $dev && mount $dev $work/mnt && echo before > $work/mnt/f'
 	check "rbd snap create succeeds" eval 'rbd snap create rbd/vol-g@s1 >/dev/null 2>&1 && rbd snap ls rbd/vol-g > $work/snaps && grep -q s1 $work/snaps'
 	grep "quiesce" /run/rbd-nbd-go/daemon.log > "$work/q"
-	check "the filesystem was frozen and thawed around it" eval 'grep -q "quiesce=true.*err=<nil>" $work/q && grep -q "quiesce=false.*err=<nil>" $work/q'
+	check "the filesystem was frozen and thawed around it" eval 'grep -q "quiesce=true target=$work/mnt err=<nil>" $work/q && grep -q "quiesce=false target=$work/mnt err=<nil>" $work/q'
 	check "filesystem writable after the snapshot" eval 'echo after > $work/mnt/f && sync'
 	umount "$work/mnt"
 	check "unmap" $B unmap "$dev"
@@ -234,9 +247,7 @@ scenario_i() { # io-timeout fires while the daemon is frozen: LINK_DEAD, new soc
 	local dev pid
 	check "map --io-timeout 3 --connections 2" eval 'dev=$($B map --connections 2 --io-timeout 3 --reattach-timeout 60 mem:128M) && [ -b "$dev" ]'
 	dmesg -C
-	fio --name=stall --filename="$dev" --size=16M --ioengine=libaio --direct=1 --rw=randwrite --bs=4k \
-		--iodepth=8 --verify=crc32c --verify_fatal=1 --do_verify=1 --loops=3 \
-		--output-format=terse --terse-version=3 >"$work/fio-i.out" 2>&1 &
+	fio_run "$work/fio-i.out" "$dev" 16M --iodepth=8 --loops=3 &
 	local fiopid=$!
 	sleep 2
 	pid=$(cat /run/rbd-nbd-go/daemon.lock)
@@ -247,8 +258,7 @@ scenario_i() { # io-timeout fires while the daemon is frozen: LINK_DEAD, new soc
 	dmesg > "$work/dmesg-i"
 	check "the kernel timed requests out" grep -q "timed out" "$work/dmesg-i"
 	check "dead connections were replaced (LINK_DEAD)" eval 'grep -q "replaced a dead connection.*err=<nil>" /run/rbd-nbd-go/daemon.log'
-	check "fio finished without I/O or verify errors (rc $rc)" eval '[ $rc -eq 0 ] && awk -F";" "/^3;/ { n++; if (\$5 != 0) bad = 1 } END { exit (bad || n == 0) }" $work/fio-i.out'
-	[ $rc -eq 0 ] || tail -5 "$work/fio-i.out"
+	check "fio finished without I/O or verify errors (rc $rc)" fio_clean "$work/fio-i.out" $rc
 	check "unmap" $B unmap "$dev"
 }
 

@@ -11,6 +11,7 @@ import (
 	"github.com/mdlayher/genetlink"
 	"github.com/mdlayher/genetlink/genltest"
 	"github.com/mdlayher/netlink"
+	"github.com/mdlayher/netlink/nlenc"
 	"golang.org/x/sys/unix"
 )
 
@@ -93,12 +94,12 @@ func (fk *fakeKernel) serve(greq genetlink.Message, nreq netlink.Message) ([]gen
 		if !ok {
 			return 0
 		}
-		return nativeU64(b)
+		return nlenc.Uint64(b)
 	}
 	idx, hasIdx := fk.last[attrIndex]
 	index := -1
 	if hasIdx {
-		index = int(nativeU32(idx))
+		index = int(nlenc.Uint32(idx))
 	}
 	switch greq.Header.Command {
 	case cmdConnect:
@@ -116,14 +117,14 @@ func (fk *fakeKernel) serve(greq genetlink.Message, nreq netlink.Message) ([]gen
 		}
 		fk.devices[index] = &fakeDev{size: u64(attrSizeBytes), bs: u64(attrBlockSizeBytes),
 			flags: u64(attrServerFlags), timeout: u64(attrTimeout), dead: u64(attrDeadConnTimeout),
-			backend: string(trimNUL(fk.last[attrBackendID])), socks: len(fds), connected: true}
+			backend: nlenc.String(fk.last[attrBackendID]), socks: len(fds), connected: true}
 		return fk.reply(index), nil
 	case cmdReconfigure:
 		d := fk.devices[index]
 		if d == nil || !d.connected {
 			return nil, genltest.Error(int(syscall.EINVAL))
 		}
-		if d.backend != "" && string(trimNUL(fk.last[attrBackendID])) != d.backend {
+		if d.backend != "" && nlenc.String(fk.last[attrBackendID]) != d.backend {
 			return nil, genltest.Error(int(syscall.EINVAL))
 		}
 		if len(fds) > d.deadSocks {
@@ -179,23 +180,6 @@ func ack(cmd uint8) []genetlink.Message {
 	return []genetlink.Message{{Header: genetlink.Header{Command: cmd, Version: 1}}}
 }
 
-func nativeU64(b []byte) uint64 {
-	var v uint64
-	for i := 7; i >= 0 && len(b) == 8; i-- {
-		v = v<<8 | uint64(b[i])
-	}
-	return v
-}
-
-func nativeU32(b []byte) uint32 {
-	var v uint32
-	for i := 3; i >= 0 && len(b) == 4; i-- {
-		v = v<<8 | uint32(b[i])
-	}
-	return v
-}
-
-func trimNUL(b []byte) []byte { return []byte(strings.TrimRight(string(b), "\x00")) }
 
 func socketpairs(t *testing.T, n int) []*os.File {
 	t.Helper()
@@ -292,7 +276,7 @@ func TestReconfigure(t *testing.T) {
 	if err := n.Reconfigure(idx, Reconfig{BackendID: "cookie-a", DeadConnTimeout: 90 * time.Second}, socketpairs(t, 2)); err != nil {
 		t.Fatal(err)
 	}
-	if fk.devices[idx].deadSocks != 0 || nativeU64(fk.last[attrDeadConnTimeout]) != 90 {
+	if fk.devices[idx].deadSocks != 0 || nlenc.Uint64(fk.last[attrDeadConnTimeout]) != 90 {
 		t.Fatalf("after reattach: %+v", fk.devices[idx])
 	}
 }

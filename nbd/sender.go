@@ -97,8 +97,11 @@ func (c *conn) completeDeferred(r *Request) bool {
 func (c *conn) flushDeferred() {
 	c.mu.Lock()
 	c.batched = false
+	ok := c.grab()
 	c.mu.Unlock()
-	c.kick()
+	if ok {
+		c.sendGrabbed()
+	}
 }
 
 // wantSend makes sure somebody will send c.done (c.mu held): the token
@@ -135,11 +138,16 @@ func (c *conn) grab() bool {
 // blocking, hand any remainder to the writer.
 func (c *conn) kick() {
 	c.mu.Lock()
-	if !c.grab() {
-		c.mu.Unlock()
-		return
-	}
+	ok := c.grab()
 	c.mu.Unlock()
+	if ok {
+		c.sendGrabbed()
+	}
+}
+
+// sendGrabbed sends the batch grab took, without blocking; a remainder
+// goes to the writer goroutine.
+func (c *conn) sendGrabbed() {
 	c.encode()
 	if c.send.err == nil && !c.trySend() {
 		c.mu.Lock()

@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"runtime"
 	"runtime/pprof"
 	"strconv"
 	"strings"
@@ -137,14 +138,41 @@ func runDaemon(log *slog.Logger, stateDir string, mod kernel.ModuleOptions, read
 // it serves (PR_SET_IO_FLUSHER), and its pages must not be swapped out
 // (mlockall; MCL_ONFAULT so address space reserved by Go and librados
 // costs nothing until touched).
+//
+// PR_SET_IO_FLUSHER marks only the calling thread, and Go's threads (and
+// librbd's) come from many places; but the mark is inherited by new
+// threads and kept across exec. So the CLI sets it on the thread that
+// forks the daemon (startFlusher), and every daemon thread is born with
+// it. Here we only check, and mark this thread for daemons started by
+// other means.
 func protectFromReclaim(log *slog.Logger) {
-	const prSetIOFlusher = 57
-	if err := unix.Prctl(prSetIOFlusher, 1, 0, 0, 0); err != nil {
-		log.Warn("PR_SET_IO_FLUSHER failed", "err", err)
+	if on, _ := unix.PrctlRetInt(prGetIOFlusher, 0, 0, 0, 0); on != 1 {
+		log.Warn("started without PR_SET_IO_FLUSHER: only some threads get it")
+		if err := unix.Prctl(prSetIOFlusher, 1, 0, 0, 0); err != nil {
+			log.Warn("PR_SET_IO_FLUSHER failed", "err", err)
+		}
 	}
 	if err := unix.Mlockall(unix.MCL_CURRENT | unix.MCL_FUTURE | unix.MCL_ONFAULT); err != nil {
 		log.Warn("mlockall failed", "err", err)
 	}
+}
+
+const (
+	prSetIOFlusher = 57
+	prGetIOFlusher = 58
+)
+
+// startFlusher starts cmd from a thread marked PR_SET_IO_FLUSHER, so the
+// process inherits the mark on every thread it will have. The thread is
+// thrown away afterwards (never unlocked).
+func startFlusher(cmd *exec.Cmd) error {
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		unix.Prctl(prSetIOFlusher, 1, 0, 0, 0) // the daemon reports if this failed
+		errc <- cmd.Start()
+	}()
+	return <-errc
 }
 
 // errNoDaemon: nothing serves this node and nothing is recorded.
@@ -204,7 +232,7 @@ func spawnDaemon(g *globalOpts, mod kernel.ModuleOptions) error {
 	cmd.ExtraFiles = []*os.File{pw}
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	cmd.Dir = "/"
-	err = cmd.Start()
+	err = startFlusher(cmd)
 	pw.Close()
 	if err != nil {
 		return fmt.Errorf("start daemon: %w", err)

@@ -95,11 +95,8 @@ func (o *mapOpts) record(g *globalOpts, spec string) (attach.Record, error) {
 	if o.ioTimeout < 0 || o.reattachTimeout < 0 {
 		return rec, errors.New("timeouts cannot be negative")
 	}
-	if err := checkSpec(spec); err != nil {
+	if _, err := backend.ParseSpec(spec); err != nil {
 		return rec, err
-	}
-	if rec.Cookie == "" {
-		rec.Cookie = newUUID()
 	}
 	var err error
 	if rec.Ceph, err = g.daemonCeph(); err != nil {
@@ -122,28 +119,6 @@ func (o *mapOpts) record(g *globalOpts, spec string) (attach.Record, error) {
 		}
 	}
 	return rec, nil
-}
-
-// checkSpec rejects malformed specs before the daemon is involved.
-func checkSpec(spec string) error {
-	kind, arg, ok := strings.Cut(spec, ":")
-	switch {
-	case !ok || kind == "rbd":
-		if !ok {
-			arg = spec
-		}
-		_, err := rbdio.ParseImageSpec(arg)
-		return err
-	case kind == "mem":
-		_, err := backend.ParseSize(arg)
-		return err
-	case kind == "file":
-		if arg == "" {
-			return errors.New("file: needs a path")
-		}
-		return nil
-	}
-	return fmt.Errorf("bad spec %q: want pool/[ns/]image[@snap], mem:SIZE or file:PATH", spec)
 }
 
 func newUUID() string {
@@ -169,6 +144,9 @@ the device path once the device is live.`,
 			if err != nil {
 				return err
 			}
+			if rec.Cookie == "" {
+				rec.Cookie = newUUID()
+			}
 			return deviceCall(g, o, attach.Request{Op: attach.OpMap, Record: &rec})
 		},
 	}
@@ -186,12 +164,11 @@ func newAttach(g *globalOpts) *cobra.Command {
 			if o.device == "" {
 				return errors.New("attach needs --device /dev/nbdN")
 			}
-			cookie := o.cookie
+			// No random cookie here: it must match the device's.
 			rec, err := o.record(g, args[0])
 			if err != nil {
 				return err
 			}
-			rec.Cookie = cookie // no random default: it must match the device
 			return deviceCall(g, o, attach.Request{Op: attach.OpAttach, Record: &rec})
 		},
 	}
@@ -228,7 +205,7 @@ func targetCmd(g *globalOpts, use, short, op string) *cobra.Command {
 				if _, err := deviceIndex(target); err != nil {
 					return err
 				}
-			} else if err := checkSpec(target); err != nil {
+			} else if _, err := backend.ParseSpec(target); err != nil {
 				return err
 			}
 			resp, err := callDaemon(g, kernel.ModuleOptions{}, attach.Request{Op: op, Target: target}, false)
@@ -266,16 +243,11 @@ type mapped struct {
 
 func toMapped(pid int, r attach.Record) mapped {
 	m := mapped{ID: pid, Device: r.Device(), Cookie: r.Cookie, Snap: "-", Image: r.Spec}
-	arg, isRBD := strings.CutPrefix(r.Spec, "rbd:")
-	if !strings.Contains(r.Spec, ":") {
-		arg, isRBD = r.Spec, true
-	}
-	if isRBD {
-		if is, err := rbdio.ParseImageSpec(arg); err == nil {
-			m.Pool, m.Namespace, m.Image = is.Pool, is.Namespace, is.Image
-			if is.Snap != "" {
-				m.Snap = is.Snap
-			}
+	if sp, err := backend.ParseSpec(r.Spec); err == nil && sp.IsRBD() {
+		is := sp.Image
+		m.Pool, m.Namespace, m.Image = is.Pool, is.Namespace, is.Image
+		if is.Snap != "" {
+			m.Snap = is.Snap
 		}
 	}
 	return m
