@@ -180,7 +180,6 @@ func ack(cmd uint8) []genetlink.Message {
 	return []genetlink.Message{{Header: genetlink.Header{Command: cmd, Version: 1}}}
 }
 
-
 func socketpairs(t *testing.T, n int) []*os.File {
 	t.Helper()
 	var out []*os.File
