@@ -3,7 +3,11 @@
 # Ceph's own rbd-nbd, on the same image, in the same VM run, alternating
 # contenders each round. TCG makes absolute numbers meaningless: read the
 # ratios. Also times `map` for both.
-#   e2e/bench.sh OUTDIR      (env: BENCH_RUNTIME seconds per job, BENCH_ROUNDS)
+#   e2e/bench.sh OUTDIR      (env: BENCH_RUNTIME seconds per job, BENCH_ROUNDS,
+#   BENCH_JOBS names to run (default all), BENCH_CONTENDERS (default
+#   "ours ours1 ceph"; "alt" is rbd-nbd-go built from BENCH_ALT_BIN, run with
+#   BENCH_ALT_ENV (VAR=VALUE ...), for
+#   A/B of two builds in one run))
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-/vm-out/bench}
@@ -33,15 +37,31 @@ unmap_ours1() { $B unmap "$1"; }
 # shared notes: with the default cache a kill -9 loses acknowledged writes).
 map_ceph() { rbd-nbd --id admin -m "$mon" --keyfile="$work/admin.key" --rbd-cache=false map rbd/bench --try-netlink --io-timeout=0; }
 unmap_ceph() { rbd-nbd unmap "$1"; sleep 1; }
+# Another build of rbd-nbd-go, with its own daemon and state.
+alt() { env RBD_NBD_GO_STATE_DIR=/run/rbd-nbd-go-alt ${BENCH_ALT_ENV:-} "${BENCH_ALT_BIN:?}" "$@"; }
+map_alt() { alt --id admin -m "$mon" --keyfile="$work/admin.key" map rbd/bench --try-netlink --io-timeout=0; }
+unmap_alt() { alt unmap "$1"; }
 
 jobs="randread-4k-qd32:randread:4k:32 randwrite-4k-qd32:randwrite:4k:32 read-1m-qd8:read:1M:8 write-1m-qd8:write:1M:8"
+if [ -n "${BENCH_JOBS:-}" ]; then
+	sel=""
+	for j in $jobs; do [[ " $BENCH_JOBS " == *" ${j%%:*} "* ]] && sel="$sel $j"; done
+	jobs=$sel
+fi
+contenders=${BENCH_CONTENDERS:-ours ours1 ceph}
 # CPU of the serving process (ours: the daemon; Ceph's: the pid the
 # kernel records for the device), librbd's threads included.
-server_pid() { if [ "$1" = ceph ]; then cat /sys/block/nbd0/pid; else cat /run/rbd-nbd-go/daemon.lock; fi; }
+server_pid() {
+	case $1 in
+	ceph) cat /sys/block/nbd0/pid ;;
+	alt) cat /run/rbd-nbd-go-alt/daemon.lock ;;
+	*) cat /run/rbd-nbd-go/daemon.lock ;;
+	esac
+}
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
 echo "contender,job,round,iops,bw_kib,map_seconds,cpu_us_per_io" > "$out/results.csv"
 for r in $(seq 1 "$rounds"); do
-	order="ours ours1 ceph"; [ $((r % 2)) -eq 0 ] && order="ceph ours1 ours"
+	order=$contenders; [ $((r % 2)) -eq 0 ] && order=$(echo "$contenders" | tr ' ' '\n' | tac | tr '\n' ' ')
 	for c in $order; do
 		t0=$(date +%s.%N)
 		dev=$(map_$c) || { echo "bench: map $c failed"; exit 1; }
@@ -72,16 +92,19 @@ done
 python3 - "$out/results.csv" > "$out/summary.txt" <<'PY'
 import csv, sys, statistics as st
 rows = list(csv.DictReader(open(sys.argv[1])))
-jobs = sorted({r["job"] for r in rows}, key=lambda j: [r["job"] for r in rows].index(j))
-print(f"{'job':<20} {'rbd-nbd IOPS':>13} {'rbd-nbd-go':>11} {'ratio':>6} {'1 conn':>8} {'ratio':>6}   CPU us/IO: {'rbd-nbd':>8} {'ours':>6} {'ratio':>6}")
+names = {"ours": "rbd-nbd-go", "ours1": "1 conn", "alt": "alt build", "ceph": "rbd-nbd"}
+seen = lambda k: list(dict.fromkeys(r[k] for r in rows))
+jobs, cs = seen("job"), [c for c in names if c in seen("contender")]
+med = lambda job, c, k: st.median(float(r[k]) for r in rows if r["job"] == job and r["contender"] == c)
+print("median IOPS (ratio to rbd-nbd) and server CPU us per I/O (ratio), %d rounds" % len(seen("round")))
+print(f"{'job':<18}" + "".join(f"{names[c]:>30}" for c in cs))
 for job in jobs:
-    med = lambda c, k="iops": st.median(float(r[k]) for r in rows if r["job"] == job and r["contender"] == c)
-    a, a1, b = med("ours"), med("ours1"), med("ceph")
-    ca, cb = med("ours", "cpu_us_per_io"), med("ceph", "cpu_us_per_io")
-    print(f"{job:<20} {b:>13.0f} {a:>11.0f} {a / b:>5.2f}x {a1:>8.0f} {a1 / b:>5.2f}x   {'':>10} {cb:>8.0f} {ca:>6.0f} {ca / cb if cb else 0:>5.2f}x")
-mt = lambda c: st.median(float(r["map_seconds"]) for r in rows if r["contender"] == c)
-print(f"map time (median): rbd-nbd-go {mt('ours'):.2f}s, rbd-nbd {mt('ceph'):.2f}s")
+    b, cb = (med(job, "ceph", "iops"), med(job, "ceph", "cpu_us_per_io")) if "ceph" in cs else (0, 0)
+    cell = lambda c: (f"{med(job, c, 'iops'):.0f}" + (f" ({med(job, c, 'iops') / b:.2f}x)" if b else "")
+                      + f" {med(job, c, 'cpu_us_per_io'):.0f}us" + (f" ({med(job, c, 'cpu_us_per_io') / cb:.2f}x)" if cb else ""))
+    print(f"{job:<18}" + "".join(f"{cell(c):>30}" for c in cs))
+print("map time (median): " + ", ".join(f"{names[c]} {st.median(float(r['map_seconds']) for r in rows if r['contender'] == c):.2f}s" for c in cs))
 PY
 cat "$out/summary.txt"
-pkill -f "$B daemon"; sleep 2
+pkill -f "$B daemon"; [ -n "${BENCH_ALT_BIN:-}" ] && pkill -f "$BENCH_ALT_BIN daemon"; sleep 2
 scripts/ceph-dev-cluster stop "$work/ceph" >/dev/null 2>&1
