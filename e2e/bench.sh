@@ -6,8 +6,8 @@
 #   e2e/bench.sh OUTDIR      (env: BENCH_RUNTIME seconds per job, BENCH_ROUNDS,
 #   BENCH_JOBS names to run (default all), BENCH_CONTENDERS (default
 #   "ours ours1 ceph"; "alt" is rbd-nbd-go built from BENCH_ALT_BIN, run with
-#   BENCH_ALT_ENV (VAR=VALUE ...), for
-#   A/B of two builds in one run))
+#   BENCH_ALT_ENV (VAR=VALUE ...) and BENCH_ALT_CLIENT_CONF (lines for
+#   a [client] section of its own ceph.conf), for A/B in one run))
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-/vm-out/bench}
@@ -38,7 +38,8 @@ unmap_ours1() { $B unmap "$1"; }
 map_ceph() { rbd-nbd --id admin -m "$mon" --keyfile="$work/admin.key" --rbd-cache=false map rbd/bench --try-netlink --io-timeout=0; }
 unmap_ceph() { rbd-nbd unmap "$1"; sleep 1; }
 # Another build of rbd-nbd-go, with its own daemon and state.
-alt() { env RBD_NBD_GO_STATE_DIR=/run/rbd-nbd-go-alt ${BENCH_ALT_ENV:-} "${BENCH_ALT_BIN:?}" "$@"; }
+{ cat "$CEPH_CONF"; printf '[client]\n%b\n' "${BENCH_ALT_CLIENT_CONF:-}"; } > "$work/alt.conf"
+alt() { env RBD_NBD_GO_STATE_DIR=/run/rbd-nbd-go-alt CEPH_CONF="$work/alt.conf" ${BENCH_ALT_ENV:-} "${BENCH_ALT_BIN:?}" "$@"; }
 map_alt() { alt --id admin -m "$mon" --keyfile="$work/admin.key" map rbd/bench --try-netlink --io-timeout=0; }
 unmap_alt() { alt unmap "$1"; }
 

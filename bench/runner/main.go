@@ -1,5 +1,5 @@
 // Command runner runs the fio job files in bench/jobs against several NBD
-// servers in one run, alternating their order each round so drift on a
+// servers in one run, rotating their order each round so drift on a
 // noisy machine hits all of them alike, and reports IOPS, throughput, p99
 // latency and server CPU time per I/O, with ratios against a baseline.
 package main
@@ -28,6 +28,10 @@ type server struct {
 	Name string
 	argv func(sock, size string) []string // nil: fio talks to the storage itself
 	fio  func(sock string) []string
+	// empty: the export starts empty (a memory export), so read jobs
+	// prefill it first; RBD images are filled once at suite setup, and
+	// refilling them per job would only grow the memstore OSD.
+	empty bool
 }
 
 func nbdFio(sock string) []string {
@@ -51,7 +55,7 @@ func main() {
 	jobsDir := flag.String("jobs", "", "fio job files (default: the suite's)")
 	out := flag.String("out", "bench/results", "output directory")
 	runtime := flag.Int("runtime", envInt("BENCH_RUNTIME", 10), "seconds per job")
-	rounds := flag.Int("rounds", envInt("BENCH_ROUNDS", 2), "rounds (server order alternates)")
+	rounds := flag.Int("rounds", envInt("BENCH_ROUNDS", 2), "rounds (server order rotates)")
 	size := flag.String("size", "1G", "export size")
 	only := flag.String("only", os.Getenv("BENCH_JOBS"), "comma-separated job names (default all)")
 	rerender := flag.String("report", "", "re-render the report from this results.json instead of running")
@@ -102,10 +106,11 @@ func main() {
 			log.Fatalf("round %d setup: %v", round, err)
 		}
 		for _, job := range jobs {
-			order := slices.Clone(servers)
-			if round%2 == 0 {
-				slices.Reverse(order)
-			}
+			// Rotate: over len(servers) rounds each server runs in
+			// each position once (drift, and the memstore's growth
+			// under writes, fall on every server alike).
+			k := (round - 1) % len(servers)
+			order := append(slices.Clone(servers[k:]), servers[:k]...)
 			for _, srv := range order {
 				s, err := runOne(tmp, env, *jobsDir, job, srv, *size, *runtime)
 				if err != nil {
@@ -202,8 +207,7 @@ func runOne(tmp string, env []string, jobsDir, job string, srv server, size stri
 	}
 	env = append(env, "SIZE="+size, "RUNTIME="+strconv.Itoa(runtime))
 	engine := srv.fio(sock)
-	if strings.Contains(job, "read") && srv.argv != nil && !strings.Contains(srv.Name, "rbd") {
-		// Memory exports start empty; RBD images were prefilled at setup.
+	if strings.Contains(job, "read") && srv.empty {
 		if _, err := fio(env, engine, filepath.Join(jobsDir, "prefill.fio"), runtime*20); err != nil {
 			return sample{}, fmt.Errorf("prefill: %w", err)
 		}

@@ -34,9 +34,9 @@ func newSuite(name, bin string) (*suite, error) {
 			jobsDir:  "bench/jobs",
 			baseline: "nbdkit-memory",
 			servers: []server{
-				{"rbd-nbd-go", func(s, sz string) []string { return []string{bin, "serve", "--socket", s, "mem:" + sz} }, nbdFio},
-				{"nbdkit-memory", func(s, sz string) []string { return []string{"nbdkit", "-f", "-U", s, "memory", sz} }, nbdFio},
-				{"nbdkit-null", func(s, sz string) []string { return []string{"nbdkit", "-f", "-U", s, "null", sz} }, nbdFio},
+				{"rbd-nbd-go", func(s, sz string) []string { return []string{bin, "serve", "--socket", s, "mem:" + sz} }, nbdFio, true},
+				{"nbdkit-memory", func(s, sz string) []string { return []string{"nbdkit", "-f", "-U", s, "memory", sz} }, nbdFio, true},
+				{"nbdkit-null", func(s, sz string) []string { return []string{"nbdkit", "-f", "-U", s, "null", sz} }, nbdFio, true},
 			},
 			targets:  map[string]target{"randread-4k-qd32": t, "randwrite-4k-qd32": t, "read-1m-qd8": t, "write-1m-qd8": t},
 			setup:    func(string, string) ([]string, error) { return os.Environ(), nil },
@@ -62,11 +62,11 @@ func rbdSuite(bin string) *suite {
 		servers: []server{
 			{"librbd-direct", nil, func(string) []string {
 				return []string{"--ioengine=rbd", "--pool=rbd", "--rbdname=bench", "--clientname=admin"}
-			}},
-			{"rbd-nbd-go", func(s, _ string) []string { return []string{bin, "serve", "--socket", s, image} }, nbdFio},
+			}, false},
+			{"rbd-nbd-go", func(s, _ string) []string { return []string{bin, "serve", "--socket", s, image} }, nbdFio, false},
 			{"go-ceph-sync", func(s, _ string) []string {
 				return []string{bin, "serve", "--socket", s, "rbd-sync:" + image}
-			}, nbdFio},
+			}, nbdFio, false},
 		},
 		targets: map[string]target{
 			"randread-4k-qd32": {MinIOPS: 0.90}, "randwrite-4k-qd32": {MinIOPS: 0.90},
