@@ -139,7 +139,7 @@ timeout -k 10 "$timeout" qemu-system-x86_64 $qemu_accel -smp "$smp" -m "$mem" -M
 	-nodefaults -no-user-config -display none -monitor none -serial stdio -no-reboot -nic none \
 	-object rng-random,id=rng0,filename=/dev/urandom -device virtio-rng-pci,rng=rng0 \
 	-kernel "$vmlinuz" -initrd "$work/initrd.gz" \
-	-append "console=ttyS0 panic=-1 loglevel=3 mitigations=off edd=off tsc=reliable clocksource=tsc rdinit=/init quiet" \
+	-append "console=ttyS0 panic=-1 loglevel=3 mitigations=off edd=off rdinit=/init quiet" \
 	-virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap \
 	-virtfs local,path="$work/out",mount_tag=out,security_model=none \
 	${share:+-virtfs local,path=$share,mount_tag=vmshare,security_model=none} </dev/null
