@@ -19,11 +19,9 @@ import (
 // served is one device's userspace half: the open backend and the NBD
 // server answering the kernel on our ends of the socketpairs.
 type served struct {
-	opened  *backend.Opened
-	srv     *nbd.Server
-	conns   sync.WaitGroup
-	started bool
-	ended   chan struct{} // closed when every connection has ended
+	opened *backend.Opened
+	srv    *nbd.Server
+	conns  sync.WaitGroup // one per connection goroutine
 }
 
 // flags are the transmission flags the kernel is told through netlink:
@@ -77,17 +75,18 @@ func newServed(rec Record, opts backend.Options, log *slog.Logger) (*served, err
 		opened.Close()
 		return nil, fmt.Errorf("%s cannot be shared by %d connections", rec.Spec, rec.Connections)
 	}
-	return &served{opened: opened, srv: srv, ended: make(chan struct{})}, nil
+	return &served{opened: opened, srv: srv}, nil
 }
 
-// serve answers the kernel on each of our socket ends; ended closes once
-// all of them are gone (the kernel disconnected, or we shut down).
+// serve answers the kernel on each of our socket ends (it takes them
+// all, served or closed). Callers hold the device's lock, as stop's do.
 func (s *served) serve(ours []*os.File, log *slog.Logger) error {
 	var ncs []net.Conn
-	for _, f := range ours {
+	for i, f := range ours {
 		nc, err := net.FileConn(f)
 		f.Close()
 		if err != nil {
+			closeAll(ours[i+1:])
 			for _, c := range ncs {
 				c.Close()
 			}
@@ -104,10 +103,6 @@ func (s *served) serve(ours []*os.File, log *slog.Logger) error {
 			}
 		}()
 	}
-	if !s.started {
-		s.started = true
-		go func() { s.conns.Wait(); close(s.ended) }()
-	}
 	return nil
 }
 
@@ -117,9 +112,8 @@ func (s *served) stop(timeout time.Duration) error {
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	err := s.srv.Shutdown(ctx)
-	if s.started {
-		<-s.ended
-	}
-	err = errors.Join(err, nbd.Flush(s.opened.Backend), s.opened.Close())
-	return err
+	// Past the timeout Shutdown aborts the connections without waiting
+	// for them; none may still be submitting when the backend closes.
+	s.conns.Wait()
+	return errors.Join(err, nbd.Flush(s.opened.Backend), s.opened.Close())
 }

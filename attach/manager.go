@@ -146,33 +146,31 @@ func (m *Manager) Map(rec Record) (Record, error) {
 	if err != nil {
 		return Record{}, err
 	}
-	kEnds, ours, err := socketpairs(rec.Connections)
-	if err != nil {
+	var kEnds, ours []*os.File
+	fail := func(err error) (Record, error) {
+		closeAll(kEnds) // our ends' readers see EOF at once
 		s.stop(time.Second)
 		return Record{}, err
 	}
 	size := s.opened.Backend.Size()
 	if size < rec.BlockSize {
-		closeAll(kEnds)
-		closeAll(ours)
-		s.stop(time.Second)
-		return Record{}, fmt.Errorf("%s: size %d is smaller than one block", rec.Spec, size)
+		return fail(fmt.Errorf("%s: size %d is smaller than one block", rec.Spec, size))
+	}
+	if kEnds, ours, err = socketpairs(rec.Connections); err != nil {
+		return fail(err)
 	}
 	// Serve first: the kernel may send I/O (partition scan) as soon as
 	// it is connected.
 	if err := s.serve(ours, m.log); err != nil {
-		closeAll(kEnds)
-		s.stop(time.Second)
-		return Record{}, err
+		return fail(err)
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	index, err := m.cfg.Kernel.Connect(rec.kernelConfig(s.flags(rec), size), kEnds)
-	closeAll(kEnds)
 	if err != nil {
-		s.stop(time.Second)
-		return Record{}, err
+		return fail(err)
 	}
+	closeAll(kEnds) // the kernel holds its own references now
 	d.rec.Index, d.s = index, s
 	undo := func(cause error) (Record, error) {
 		m.cfg.Kernel.Disconnect(index)

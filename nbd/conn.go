@@ -65,7 +65,7 @@ func newConn(s *Server, w *wire, br *bufio.Reader, sess *session) *conn {
 		br:         br,
 		exp:        sess.exp,
 		be:         sess.exp.Backend,
-		size:       sess.exp.Backend.Size(),
+		size:       sess.size,
 		followSize: sess.followSize,
 		tflags:     sess.exp.Flags(sess.structured),
 		structured: sess.structured,

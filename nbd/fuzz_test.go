@@ -89,7 +89,7 @@ func FuzzTransmission(f *testing.F) {
 		s.AddExport(exp)
 		nc := &streamConn{r: bytes.NewReader(data)}
 		c := newConn(s, newWire(nc), bufio.NewReader(nc), &session{
-			exp: s.export(""), structured: mode&1 != 0, meta: mode&2 != 0})
+			exp: s.export(""), size: 65536, structured: mode&1 != 0, meta: mode&2 != 0})
 		c.serve()
 		if len(c.free) != c.total || c.bytes != 0 {
 			t.Fatalf("requests leaked: %d of %d free, %d bytes held", len(c.free), c.total, c.bytes)

@@ -17,6 +17,7 @@ var errProtocol = errors.New("nbd: protocol violation")
 // session is what the handshake agreed on for the transmission phase.
 type session struct {
 	exp        *Export
+	size       uint64 // what the client was told: its bounds
 	structured bool
 	meta       bool // base:allocation selected
 	// followSize checks bounds against the backend's current size, not
@@ -147,19 +148,20 @@ func (n *negotiator) exportName(name string) (*session, bool, error) {
 	if exp == nil {
 		return nil, true, fmt.Errorf("%w: unknown export %q requested with EXPORT_NAME", errProtocol, name)
 	}
+	size := exp.Backend.Size()
 	var b [10 + 124]byte
-	be.PutUint64(b[0:], exp.Backend.Size())
+	be.PutUint64(b[0:], size)
 	be.PutUint16(b[8:], uint16(exp.Flags(n.structured)))
 	end := len(b)
 	if n.noZeroes {
 		end = 10
 	}
 	n.bw.Write(b[:end])
-	return n.session(exp), true, n.bw.Flush()
+	return n.session(exp, size), true, n.bw.Flush()
 }
 
-func (n *negotiator) session(exp *Export) *session {
-	return &session{exp: exp, structured: n.structured, meta: n.meta && n.metaExport == exp.Name}
+func (n *negotiator) session(exp *Export, size uint64) *session {
+	return &session{exp: exp, size: size, structured: n.structured, meta: n.meta && n.metaExport == exp.Name}
 }
 
 func (n *negotiator) list(data []byte) error {
@@ -207,9 +209,10 @@ func (n *negotiator) info(opt uint32, data []byte) (*session, bool, error) {
 			wantDesc = true
 		}
 	}
+	size := exp.Backend.Size()
 	var b [18]byte
 	be.PutUint16(b[0:], infoExport)
-	be.PutUint64(b[2:], exp.Backend.Size())
+	be.PutUint64(b[2:], size)
 	be.PutUint16(b[10:], uint16(exp.Flags(n.structured)))
 	n.replyNoFlush(opt, repInfo, b[:12])
 	// Always sent: a client that did not ask may ignore it, one that
@@ -228,7 +231,7 @@ func (n *negotiator) info(opt uint32, data []byte) (*session, bool, error) {
 	if err := n.reply(opt, repAck, nil); err != nil || opt == optInfo {
 		return nil, false, err
 	}
-	return n.session(exp), true, nil
+	return n.session(exp, size), true, nil
 }
 
 // metaContext answers LIST_META_CONTEXT and SET_META_CONTEXT. The only

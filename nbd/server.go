@@ -219,7 +219,7 @@ func (s *Server) ServeNegotiated(nc net.Conn, export string) error {
 		return ErrServerClosed
 	}
 	defer s.untrack(w)
-	return s.transmit(w, bufio.NewReader(eofReader{}), &session{exp: exp, followSize: true})
+	return s.transmit(w, bufio.NewReader(eofReader{}), &session{exp: exp, size: exp.Backend.Size(), followSize: true})
 }
 
 type eofReader struct{}

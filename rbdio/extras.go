@@ -47,8 +47,9 @@ static int nbdgo_encryption_load(rbd_image_t img, int luks2, char *pass, size_t 
 	return r;
 }
 
+// explicit_bzero: a memset right before free may be optimised away.
 static void nbdgo_wipe_free(char *p, size_t len) {
-	memset(p, 0, len);
+	explicit_bzero(p, len);
 	free(p);
 }
 */
@@ -92,7 +93,7 @@ func (i cImage) loadEncryption(e Encryption) error {
 	var err error
 	for _, luks2 := range try {
 		n := C.size_t(len(e.Passphrase))
-		p := (*C.char)(C.CBytes([]byte(e.Passphrase)))
+		p := C.CString(e.Passphrase) // no extra Go copy to leave behind
 		r := C.nbdgo_encryption_load(i.p, boolInt(luks2), p, n)
 		C.nbdgo_wipe_free(p, n)
 		if err = errnoOf(r); err == nil {
