@@ -11,16 +11,18 @@ export RBD_NBD_GO_STATE_DIR=/run/rbd-nbd-go
 work=$(mktemp -d /tmp/e2e.XXXXXX)
 fails=0
 failed=()
+recap=() # every failed check, repeated at the end where a CI log's tail shows it
 
 log() { echo "e2e: $*"; }
 check() { # check DESCRIPTION COMMAND...: one assertion
 	local what=$1; shift
-	if "$@"; then log "  ok   $what"; else log "  FAIL $what"; scenario_failed=1; fi
+	if "$@"; then log "  ok   $what"; else log "  FAIL $what"; fail_check "$what"; fi
 }
+fail_check() { scenario_failed=1; recap+=("$current: $1"); }
 run_scenario() {
 	local name=$1 fn=$2
 	log "--- scenario $name"
-	scenario_failed=0
+	current=$name scenario_failed=0
 	local t0=$(date +%s.%N)
 	$fn
 	local dt=$(echo "$(date +%s.%N) - $t0" | bc)
@@ -67,11 +69,14 @@ fio_verify() { fio_run "$work/fio.out" "$@"; fio_clean "$work/fio.out" $?; }
 cluster_up=0
 cluster() {
 	[ $cluster_up -eq 1 ] && return 0
+	[ $cluster_up -eq 2 ] && { fail_check "dev cluster (did not come up earlier)"; return 1; }
 	local t0=$(date +%s.%N)
 	export CEPH_CONF
-	CEPH_CONF=$(scripts/ceph-dev-cluster start "$work/ceph" --timeout 300) || return 1
-	rbd pool init rbd 2>/dev/null || true
-	ceph auth get-key client.admin > "$work/admin.key"
+	local err
+	CEPH_CONF=$(scripts/ceph-dev-cluster start "$work/ceph" --timeout 300 2>"$work/cluster.err") ||
+		{ err=$(tail -1 "$work/cluster.err"); cluster_up=2
+		  log "  FAIL dev cluster: $err"; tail -5 "$work/ceph/log/mon.a.log"; fail_check "dev cluster: $err"; return 1; }
+	ceph-authtool "$work/ceph/keyring" -p -n client.admin > "$work/admin.key" # no slow ceph CLI call
 	mon=$(awk -F' *= *' '/mon[ _]host/ {print $2; exit}' "$CEPH_CONF")
 	cluster_up=1
 	log "  cluster up in $(echo "$(date +%s.%N) - $t0" | bc)s (mon $mon)"
@@ -106,7 +111,7 @@ scenario_a() { # mem and file specs: ext4, fio verify, unmap
 }
 
 scenario_b() { # a real RBD image with ceph-csi's flags, xfs
-	cluster || { scenario_failed=1; return; }
+	cluster || return
 	rbd create --size 512M rbd/vol-b
 	local dev
 	check "map with ceph-csi's command line" eval 'dev=$(csi_map rbd/vol-b csi-vol-b) && [ -b "$dev" ]'
@@ -144,7 +149,7 @@ scenario_c() { # raw device, 4 connections = 4 hardware queues (needs 4 CPUs)
 }
 
 scenario_d() { # rbd resize grows the device with no remap
-	cluster || { scenario_failed=1; return; }
+	cluster || return
 	rbd create --size 64M rbd/vol-d
 	local dev
 	check "map" eval 'dev=$(csi_map rbd/vol-d d) && [ -b "$dev" ]'
@@ -158,7 +163,7 @@ scenario_d() { # rbd resize grows the device with no remap
 }
 
 scenario_e() { # kill -9 the daemon mid-fio; ceph-csi's attach; no errors
-	cluster || { scenario_failed=1; return; }
+	cluster || return
 	dmesg -C
 	rbd create --size 256M rbd/vol-e
 	local dev pid
@@ -187,7 +192,7 @@ scenario_e() { # kill -9 the daemon mid-fio; ceph-csi's attach; no errors
 }
 
 scenario_f() { # bad input: clear errors, nothing left behind
-	cluster || { scenario_failed=1; return; }
+	cluster || return
 	local out rc
 	out=$(csi_map rbd/no-such-image f 2>&1); rc=$?
 	check "missing image fails in one line naming it" eval '[ $rc -ne 0 ] && [ $(echo "$out" | wc -l) -eq 1 ] && echo "$out" | grep -q "no-such-image does not exist"'
@@ -219,7 +224,7 @@ scenario_f() { # bad input: clear errors, nothing left behind
 }
 
 scenario_g() { # quiesce: snapshot freezes and thaws the filesystem
-	cluster || { scenario_failed=1; return; }
+	cluster || return
 	rbd create --size 64M rbd/vol-g
 	local dev
 	check "map --quiesce" eval 'dev=$(csi_map rbd/vol-g g --quiesce) && mkfs.ext4 -q -F $dev && mount $dev $work/mnt && echo before > $work/mnt/f'
@@ -266,5 +271,6 @@ scenario_i() { # io-timeout fires while the daemon is frozen: LINK_DEAD, new soc
 for s in "$@"; do run_scenario "$s" "scenario_$s"; done
 [ $cluster_up -eq 1 ] && scripts/ceph-dev-cluster stop "$work/ceph" >/dev/null 2>&1
 pkill -f "$B daemon" 2>/dev/null
+for r in "${recap[@]}"; do log "failed check: $r"; done
 log "done: $fails failed ${failed[*]:-}"
 exit $fails

@@ -78,6 +78,9 @@ func (c *Cluster) run(timeout time.Duration, name string, args ...string) (strin
 	}
 	var out, errb bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errb
+	// A daemon the script starts could inherit the output pipes; bound the
+	// wait for them so it cannot hang the test.
+	cmd.WaitDelay = 5 * time.Second
 	if err := cmd.Run(); err != nil {
 		return out.String(), fmt.Errorf("%s %s: %v: %s", name, strings.Join(args, " "), err, errb.String())
 	}
