@@ -1,6 +1,6 @@
 #!/bin/bash
 # Kernel-NBD scenarios, run inside the VM (scripts/vm/vm.sh) as root:
-#   e2e/scenarios.sh [a b c d e f g]    (default: all)
+#   e2e/scenarios.sh [a b c ... j]    (default: all)
 # Each scenario prints PASS/FAIL lines; the exit status is the number of
 # failed scenarios. Uses bin/rbd-nbd-go from the checkout.
 set -uo pipefail
@@ -266,8 +266,34 @@ scenario_i() { # io-timeout fires while the daemon is frozen: LINK_DEAD, new soc
 	check "fio finished without I/O or verify errors (rc $rc)" fio_clean "$work/fio-i.out" $rc
 	check "unmap" $B unmap "$dev"
 }
+scenario_j() { # LUKS through librbd: encrypted at rest, wrong passphrase refused, kept across a restart
+	cluster || return
+	rbd create --size 64M rbd/vol-j
+	printf 'correct horse battery' > "$work/pass"
+	printf 'wrong' > "$work/badpass"
+	check "rbd encryption format luks1" eval 'rbd encryption format rbd/vol-j luks1 "$work/pass" >/dev/null 2>&1'
+	local out rc dev pid
+	out=$(csi_map rbd/vol-j vol-j --encryption-format luks1 --encryption-passphrase-file "$work/badpass" 2>&1); rc=$?
+	log "  wrong passphrase: exit $rc: $out"
+	check "a wrong passphrase: one line, non-zero exit" eval '[ $rc -ne 0 ] && [ $(printf "%s\n" "$out" | wc -l) -eq 1 ]'
+	check "no device left behind" no_devices
+	check "map --encryption-format luks1" eval 'dev=$(csi_map rbd/vol-j vol-j --encryption-format luks1 --encryption-passphrase-file "$work/pass") && [ -b "$dev" ]'
+	check "the device is the image less the LUKS header" eval 's=$(blockdev --getsize64 $dev) && [ $s -lt $((64 << 20)) ] && [ $s -ge $((56 << 20)) ]'
+	check "the passphrase is not in any argv" eval '! grep -qF "correct horse" /proc/[0-9]*/cmdline'
+	yes rbd-nbd-go-plaintext-marker 2>/dev/null | head -c 1M > "$work/marker"
+	check "write a marker" dd if="$work/marker" of="$dev" bs=1M oflag=direct conv=fsync status=none
+	pid=$(cat /run/rbd-nbd-go/daemon.lock)
+	kill -9 "$pid"; sleep 1
+	check "list-mapped after kill -9 starts a daemon that reattaches it" eval '$B list-mapped > $work/lm && grep -q "$dev" $work/lm && [ "$(cat /run/rbd-nbd-go/daemon.lock)" != "$pid" ]'
+	check "the marker reads back decrypted" eval 'dd if=$dev bs=1M count=1 iflag=direct status=none > $work/back && cmp $work/marker $work/back'
+	check "unmap" $B unmap "$dev"
+	rbd export rbd/vol-j "$work/vol-j.raw" >/dev/null 2>&1
+	check "the image is LUKS at rest" eval '[ "$(head -c 4 $work/vol-j.raw)" = LUKS ]'
+	check "no plaintext in the image" eval '! grep -q plaintext-marker $work/vol-j.raw'
+	rm -f "$work/vol-j.raw"
+}
 
-[ $# -gt 0 ] || set -- a b c d e f g h i
+[ $# -gt 0 ] || set -- a b c d e f g h i j
 for s in "$@"; do run_scenario "$s" "scenario_$s"; done
 [ $cluster_up -eq 1 ] && scripts/ceph-dev-cluster stop "$work/ceph" >/dev/null 2>&1
 pkill -f "$B daemon" 2>/dev/null
