@@ -53,6 +53,24 @@ func socketpairs(n int) (kernelEnds, ours []*os.File, err error) {
 	return kernelEnds, ours, nil
 }
 
+// peerGone reports whether the other end of socket f is closed. Closing
+// the last descriptor of a socket releases it before close returns, so
+// no wait is needed.
+func peerGone(f *os.File) bool {
+	sc, err := f.SyscallConn()
+	if err != nil {
+		return false
+	}
+	gone := false
+	sc.Control(func(fd uintptr) {
+		p := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLRDHUP}}
+		if n, err := unix.Poll(p, 0); err == nil && n > 0 {
+			gone = p[0].Revents&(unix.POLLRDHUP|unix.POLLHUP) != 0
+		}
+	})
+	return gone
+}
+
 func closeAll(fs []*os.File) {
 	for _, f := range fs {
 		f.Close()

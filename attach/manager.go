@@ -389,9 +389,10 @@ func mergeAttach(cur, req Record) Record {
 // reattach hands the kernel one new socket per dead connection, however
 // many the device has (the caller may not know: ceph-csi's attach does
 // not say). One RECONFIGURE per socket, because the kernel replaces dead
-// sockets one at a time and stops at the first failure; ENOSPC means no
-// dead socket is left — or, for the first one, that the kernel has not
-// yet noticed the old server is gone, so that one is retried.
+// sockets one at a time and stops at the first failure; a socket it did
+// not take means no dead socket is left — or, for the first one, that
+// the kernel has not yet noticed the old server is gone, so that one is
+// retried.
 func (m *Manager) reattach(rec *Record, s *served) error {
 	deadline := time.Now().Add(m.cfg.ReattachWait)
 	attached := 0
@@ -419,15 +420,27 @@ func (m *Manager) reattach(rec *Record, s *served) error {
 	return nil
 }
 
+// errNoDeadConnection: RECONFIGURE found no dead connection to replace.
+var errNoDeadConnection = fmt.Errorf("no dead connection to replace: %w", syscall.ENOSPC)
+
 // addSocket gives a connected device one more connection through
 // RECONFIGURE (it replaces a dead one) and serves our end.
+//
+// The kernel's answer cannot say whether it took the socket: with no dead
+// connection to replace it drops the socket and still reports success
+// (nbd_genl_reconfigure turns that ENOSPC into 0). So once our copy of
+// the kernel's end is closed, a hung-up peer means the kernel kept none.
 func (m *Manager) addSocket(index int, rc kernel.Reconfig, s *served) error {
 	kEnds, ours, err := socketpairs(1)
 	if err != nil {
 		return err
 	}
-	defer closeAll(kEnds)
-	if err := m.cfg.Kernel.Reconfigure(index, rc, kEnds); err != nil {
+	err = m.cfg.Kernel.Reconfigure(index, rc, kEnds)
+	closeAll(kEnds)
+	if err == nil && peerGone(ours[0]) {
+		err = errNoDeadConnection
+	}
+	if err != nil {
 		closeAll(ours)
 		return err
 	}

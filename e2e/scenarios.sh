@@ -266,7 +266,7 @@ scenario_i() { # io-timeout fires while the daemon is frozen: LINK_DEAD, new soc
 	check "fio finished without I/O or verify errors (rc $rc)" fio_clean "$work/fio-i.out" $rc
 	check "unmap" $B unmap "$dev"
 }
-scenario_j() { # LUKS through librbd: encrypted at rest, wrong passphrase refused, kept across a restart
+scenario_j() { # LUKS through librbd and --exclusive: encrypted at rest, wrong passphrase refused, both kept across kill -9
 	cluster || return
 	rbd create --size 64M rbd/vol-j
 	printf 'correct horse battery' > "$work/pass"
@@ -277,7 +277,7 @@ scenario_j() { # LUKS through librbd: encrypted at rest, wrong passphrase refuse
 	log "  wrong passphrase: exit $rc: $out"
 	check "a wrong passphrase: one line, non-zero exit" eval '[ $rc -ne 0 ] && [ $(printf "%s\n" "$out" | wc -l) -eq 1 ]'
 	check "no device left behind" no_devices
-	check "map --encryption-format luks1" eval 'dev=$(csi_map rbd/vol-j vol-j --encryption-format luks1 --encryption-passphrase-file "$work/pass") && [ -b "$dev" ]'
+	check "map --exclusive --encryption-format luks1" eval 'dev=$(csi_map rbd/vol-j vol-j --exclusive --encryption-format luks1 --encryption-passphrase-file "$work/pass") && [ -b "$dev" ]'
 	check "the device is the image less the LUKS header" eval 's=$(blockdev --getsize64 $dev) && [ $s -lt $((64 << 20)) ] && [ $s -ge $((56 << 20)) ]'
 	check "the passphrase is not in any argv" eval '! grep -qF "correct horse" /proc/[0-9]*/cmdline'
 	yes rbd-nbd-go-plaintext-marker 2>/dev/null | head -c 1M > "$work/marker"
@@ -285,6 +285,9 @@ scenario_j() { # LUKS through librbd: encrypted at rest, wrong passphrase refuse
 	pid=$(cat /run/rbd-nbd-go/daemon.lock)
 	kill -9 "$pid"; sleep 1
 	check "list-mapped after kill -9 starts a daemon that reattaches it" eval '$B list-mapped > $work/lm && grep -q "$dev" $work/lm && [ "$(cat /run/rbd-nbd-go/daemon.lock)" != "$pid" ]'
+	local n=$(nproc)
+	check "it reattached all $n connections, no more" eval 'grep "msg=attached device=$dev" /run/rbd-nbd-go/daemon.log | tail -1 | grep -q "connections=$n\$"'
+	check "the new daemon holds the exclusive lock" eval 'rbd lock ls rbd/vol-j 2>/dev/null | grep -q "1 exclusive lock"'
 	check "the marker reads back decrypted" eval 'dd if=$dev bs=1M count=1 iflag=direct status=none > $work/back && cmp $work/marker $work/back'
 	check "unmap" $B unmap "$dev"
 	rbd export rbd/vol-j "$work/vol-j.raw" >/dev/null 2>&1
