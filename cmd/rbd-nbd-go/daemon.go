@@ -43,12 +43,18 @@ func newDaemon(g *globalOpts) *cobra.Command {
 			if readyFD >= 0 {
 				ready = os.NewFile(uintptr(readyFD), "ready")
 			}
-			err := runDaemon(logger(g.logLevel), g.stateDir, mod, ready)
-			if err != nil {
-				fmt.Fprintf(ready, "%s\n", err)
+			log := logger(g.logLevel)
+			err := runDaemon(log, g.stateDir, mod, ready)
+			if err == nil {
+				ready.Close()
+				return nil
 			}
+			// Logged before map hears of it, so its "see daemon.log"
+			// is never ahead of the log.
+			log.Error("daemon stopped", "err", err)
+			fmt.Fprintf(ready, "%s\n", err)
 			ready.Close()
-			return err
+			return &exitError{code: 1}
 		},
 	}
 	f := cmd.Flags()

@@ -27,7 +27,9 @@ func main() {
 	if err := newRoot().Execute(); err != nil {
 		var ee *exitError
 		if errors.As(err, &ee) {
-			fmt.Fprintln(os.Stderr, ee.msg)
+			if ee.msg != "" {
+				fmt.Fprintln(os.Stderr, ee.msg)
+			}
 			os.Exit(ee.code)
 		}
 		fmt.Fprintln(os.Stderr, "rbd-nbd-go:", err)
