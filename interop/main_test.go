@@ -184,6 +184,8 @@ func run(t *testing.T, name string, args ...string) string {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, name, args...)
+	// Files a client leaves behind (fio's verify state) go with the test.
+	cmd.Dir = t.TempDir()
 	var out, errb bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errb
 	// nbdsh and friends must find Debian's python3 with the nbd module.
