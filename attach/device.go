@@ -47,6 +47,9 @@ func socketpairs(n int) (kernelEnds, ours []*os.File, err error) {
 			closeAll(ours)
 			return nil, nil, fmt.Errorf("socketpair: %w", err)
 		}
+		// The kernel sends WRITE payloads through its end: the same
+		// window as our replies get, so a 1 MiB write crosses at once.
+		nbd.SetSendBuffer(fds[0], nbd.DefaultSendBuffer)
 		kernelEnds = append(kernelEnds, os.NewFile(uintptr(fds[0]), "nbd-kernel"))
 		ours = append(ours, os.NewFile(uintptr(fds[1]), "nbd-server"))
 	}

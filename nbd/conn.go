@@ -80,6 +80,7 @@ func newConn(s *Server, w *wire, br *bufio.Reader, sess *session) *conn {
 	}
 	c.cond.L = &c.mu
 	c.send.init(w, n)
+	c.send.sp.on = zeroCopyFor(s.cfg.ZeroCopy, sess.kernel, w.fd)
 	reqs := make([]Request, n)
 	for i := range reqs {
 		reqs[i].owner = c
@@ -100,6 +101,7 @@ func (c *conn) serve() error {
 	c.mu.Unlock()
 	close(c.stop)
 	<-c.exited
+	c.send.sp.close()
 	if errors.Is(err, os.ErrDeadlineExceeded) && c.srv.isClosing() {
 		err = nil // Shutdown interrupted the read on purpose
 	}
@@ -163,7 +165,7 @@ func (c *conn) readLoop() error {
 		}
 		if payload > 0 {
 			r.buf = c.srv.bufs.get(payload)
-			r.Data = *r.buf
+			r.Data = r.buf.b
 			if cmd == cmdWrite {
 				if c.br.Buffered() < payload {
 					c.kick() // the payload read will block

@@ -24,6 +24,7 @@ type session struct {
 	// the size at connect: the kernel learns of a resize through netlink
 	// and then sends I/O in the new space on its old connections.
 	followSize bool
+	kernel     bool // served by ServeNegotiated: the reader is nbd.ko
 }
 
 type negotiator struct {

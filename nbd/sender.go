@@ -23,13 +23,19 @@ const maxDeferred = 256 << 10
 const iovMax = 1024 // IOV_MAX on Linux
 
 type sendState struct {
-	w      *wire
-	batch  []*Request
-	iov    [][]byte
+	w     *wire
+	batch []*Request
+	iov   [][]byte
+	// nb is the run of iov being copied out, iov[..:end]; at end, when
+	// end < len(iov), is the payload of zc[zi], to be spliced.
 	nb     net.Buffers
+	end    int
+	zc     []*Request
+	zi     int
 	iovecs []unix.Iovec
 	msg    unix.Msghdr
 	err    error // the connection is dead for writing
+	sp     spliceState
 }
 
 func (s *sendState) init(w *wire, n int) {
@@ -37,6 +43,7 @@ func (s *sendState) init(w *wire, n int) {
 	s.batch = make([]*Request, 0, n)
 	s.iov = make([][]byte, 0, 2*n)
 	s.iovecs = make([]unix.Iovec, iovMax)
+	s.zc = make([]*Request, 0, n)
 }
 
 // sendmsg sends as much of s.nb as one call takes and consumes it.
@@ -62,6 +69,7 @@ func (s *sendState) sendmsg(dontWait bool) error {
 			return e
 		}
 		consume(&s.nb, int(sent))
+		s.sp.sent += uint64(sent)
 		return nil
 	}
 }
@@ -189,32 +197,76 @@ func (c *conn) writeRound() bool {
 	if !resume {
 		c.encode()
 	}
-	for c.send.err == nil && len(c.send.nb) > 0 {
+	for c.send.err == nil {
 		var err error
-		if c.w.fd >= 0 {
+		switch {
+		case len(c.send.nb) > 0 && c.w.fd >= 0:
 			err = c.send.sendmsg(false)
-		} else {
+		case len(c.send.nb) > 0:
 			_, err = c.send.nb.WriteTo(c.w.nc)
+		case c.send.end < len(c.send.iov):
+			err = c.spliceNext()
 		}
 		if err != nil {
 			c.fail(err)
+		}
+		if len(c.send.nb) == 0 && c.send.end == len(c.send.iov) {
+			break
 		}
 	}
 	c.release()
 	return true
 }
 
-// encode turns the batch's replies into c.send.nb.
-func (c *conn) encode() {
-	iov := c.send.iov[:0]
-	for _, r := range c.send.batch {
-		iov = c.appendReply(iov, r)
+// spliceNext sends the payload at the end of the copied run by reference
+// and moves on to the next run.
+func (c *conn) spliceNext() error {
+	s := &c.send
+	r := s.zc[s.zi]
+	err := s.sp.splice(c.w.fd, s.iov[s.end])
+	if err == nil {
+		c.srv.spliced.Add(uint64(len(r.Data)))
 	}
-	c.send.iov = iov
-	c.send.nb = iov
+	// Parked even after an error: part of it may be in the socket.
+	s.sp.park(r)
+	s.zi++
+	s.window(s.end + 1)
+	return err
 }
 
-// trySend writes c.send.nb without blocking; false if some is left.
+// window makes nb the run of iov from start to the next payload to
+// splice (or to the end).
+func (s *sendState) window(start int) {
+	s.end = len(s.iov)
+	if s.zi < len(s.zc) {
+		s.end = s.zc[s.zi].spliceAt
+	}
+	s.nb = s.iov[start:s.end]
+}
+
+// encode turns the batch's replies into c.send.iov, noting the payloads
+// to splice, and reclaims payloads spliced earlier that the peer has read.
+func (c *conn) encode() {
+	s := &c.send
+	iov := s.iov[:0]
+	s.zc, s.zi = s.zc[:0], 0
+	for _, r := range s.batch {
+		iov = c.appendReply(iov, r)
+		if s.sp.spliceable(r) {
+			r.spliceAt = len(iov) - 1 // appendReply put the payload last
+			s.zc = append(s.zc, r)
+		}
+	}
+	s.iov = iov
+	s.window(0)
+	if s.sp.on {
+		s.sp.reclaim(c.w.fd, &c.srv.bufs)
+	}
+}
+
+// trySend writes c.send.nb without blocking; false if some is left,
+// including a payload to splice: splicing may block, so it is the
+// writer goroutine's job.
 func (c *conn) trySend() bool {
 	if c.w.fd < 0 {
 		return len(c.send.nb) == 0
@@ -229,7 +281,7 @@ func (c *conn) trySend() bool {
 			return true
 		}
 	}
-	return true
+	return c.send.end == len(c.send.iov)
 }
 
 // consume drops the first n bytes of b.
@@ -260,6 +312,9 @@ func (c *conn) release() {
 	clear(c.send.iov) // drop references to recycled buffers
 	c.send.iov = c.send.iov[:0]
 	c.send.nb = nil
+	c.send.end = 0
+	clear(c.send.zc)
+	c.send.zc, c.send.zi = c.send.zc[:0], 0
 	c.recycle(c.send.batch)
 	c.send.batch = c.send.batch[:0]
 	c.mu.Lock()

@@ -10,6 +10,7 @@ import (
 	"net"
 	"os"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -70,6 +71,13 @@ type Config struct {
 	MaxInflightBytes int
 	// HandshakeTimeout drops clients that stall during negotiation.
 	HandshakeTimeout time.Duration
+	// ZeroCopy picks the connections whose large READ replies are
+	// spliced instead of copied (default: the kernel's sockets).
+	ZeroCopy ZeroCopy
+	// SendBuffer is SO_SNDBUF for unix-socket connections (default
+	// DefaultSendBuffer; negative keeps the system's). TCP is left to
+	// the kernel's autotuning.
+	SendBuffer int
 }
 
 // Server speaks NBD on any number of listeners and connections.
@@ -77,6 +85,8 @@ type Server struct {
 	cfg  Config
 	log  *slog.Logger
 	bufs bufPool
+	// spliced counts READ payload bytes sent by reference (tests read it).
+	spliced atomic.Uint64
 
 	mu        sync.Mutex
 	exports   map[string]*Export
@@ -97,6 +107,9 @@ func NewServer(cfg Config) *Server {
 	}
 	if cfg.MaxInflightBytes <= 0 {
 		cfg.MaxInflightBytes = 128 << 20
+	}
+	if cfg.SendBuffer == 0 {
+		cfg.SendBuffer = DefaultSendBuffer
 	}
 	if cfg.HandshakeTimeout <= 0 {
 		cfg.HandshakeTimeout = 30 * time.Second
@@ -219,7 +232,7 @@ func (s *Server) ServeNegotiated(nc net.Conn, export string) error {
 		return ErrServerClosed
 	}
 	defer s.untrack(w)
-	return s.transmit(w, bufio.NewReader(eofReader{}), &session{exp: exp, size: exp.Backend.Size(), followSize: true})
+	return s.transmit(w, bufio.NewReader(eofReader{}), &session{exp: exp, size: exp.Backend.Size(), followSize: true, kernel: true})
 }
 
 type eofReader struct{}
@@ -235,6 +248,9 @@ func (s *Server) transmit(w *wire, br *bufio.Reader, sess *session) error {
 	}
 	r := w.detach(br)
 	s.mu.Unlock()
+	if w.fd >= 0 && s.cfg.SendBuffer > 0 && isUnix(w.fd) {
+		SetSendBuffer(w.fd, s.cfg.SendBuffer)
+	}
 	c := newConn(s, w, bufio.NewReaderSize(r, 64<<10), sess)
 	s.log.Debug("nbd connection", "remote", remote(nc), "export", sess.exp.Name,
 		"structured", sess.structured, "flags", fmt.Sprintf("%#x", uint16(c.tflags)))

@@ -81,7 +81,7 @@ func markdown(r report, title string, runtime, rounds int) string {
 			fmt.Fprintf(&b, "| %s | %s | %.0f | %.1f | %.0f | %.2f |\n", j.Job, srv, c.IOPS, c.MiBps, c.P99us, c.CPUusPerIO)
 		}
 	}
-	b.WriteString("\n## Ratios and targets\n\n| job | IOPS ratio | CPU/IO ratio | target |\n|---|---:|---:|---|\n")
+	b.WriteString("\n## Ratios and targets\n\n| job | IOPS ratio | CPU/IO ratio | target | others' IOPS ratios |\n|---|---:|---:|---|---|\n")
 	for _, j := range r.Jobs {
 		verdict := "—"
 		if t, ok := r.Targets[j.Job]; ok {
@@ -97,7 +97,15 @@ func markdown(r report, title string, runtime, rounds int) string {
 		if j.CPURatio > 0 {
 			cpu = fmt.Sprintf("%.2f×", j.CPURatio)
 		}
-		fmt.Fprintf(&b, "| %s | %.2f× | %s | %s |\n", j.Job, j.IOPSRatio, cpu, verdict)
+		var others []string
+		if base := j.Servers[r.Baseline].IOPS; base > 0 {
+			for _, srv := range r.Servers {
+				if srv != r.Baseline && srv != r.Subject {
+					others = append(others, fmt.Sprintf("%s %.2f×", srv, j.Servers[srv].IOPS/base))
+				}
+			}
+		}
+		fmt.Fprintf(&b, "| %s | %.2f× | %s | %s | %s |\n", j.Job, j.IOPSRatio, cpu, verdict, strings.Join(others, ", "))
 	}
 	return b.String()
 }

@@ -64,6 +64,11 @@ func rbdSuite(bin string) *suite {
 				return []string{"--ioengine=rbd", "--pool=rbd", "--rbdname=bench", "--clientname=admin"}
 			}, false},
 			{"rbd-nbd-go", func(s, _ string) []string { return []string{bin, "serve", "--socket", s, image} }, nbdFio, false},
+			// Zero-copy read replies: safe with fio's libnbd client,
+			// which reads with recv; not the default for serve.
+			{"rbd-nbd-go-zc", func(s, _ string) []string {
+				return []string{bin, "serve", "--zero-copy", "--socket", s, image}
+			}, nbdFio, false},
 			{"go-ceph-sync", func(s, _ string) []string {
 				return []string{bin, "serve", "--socket", s, "rbd-sync:" + image}
 			}, nbdFio, false},

@@ -22,6 +22,7 @@ import (
 type serveOpts struct {
 	socket, listen, name string
 	readOnly, exclusive  bool
+	zeroCopy             bool
 	ceph                 rbdio.Options
 	shutdownTimeout      time.Duration
 	cpuProfile           string
@@ -55,6 +56,8 @@ flight, flush, and exit.`,
 	f.StringVar(&o.name, "name", "", "export name (empty is the default export)")
 	f.BoolVar(&o.readOnly, "read-only", false, "refuse writes")
 	f.BoolVar(&o.exclusive, "exclusive", false, "take the RBD exclusive lock and keep it")
+	f.BoolVar(&o.zeroCopy, "zero-copy", false,
+		"splice large read replies into unix sockets instead of copying them; only for clients that read with read/recv (libnbd, qemu, nbd-client), not ones that splice what they receive")
 	f.DurationVar(&o.shutdownTimeout, "shutdown-timeout", 30*time.Second,
 		"how long to wait for requests in flight on shutdown")
 	f.StringVar(&o.cpuProfile, "cpu-profile", "", "write a Go CPU profile here until exit (development)")
@@ -98,7 +101,11 @@ func runServe(ctx context.Context, log *slog.Logger, o serveOpts, spec string) e
 		return err
 	}
 	defer dev.Close()
-	srv := nbd.NewServer(nbd.Config{Logger: log})
+	zc := nbd.ZeroCopyOff
+	if o.zeroCopy {
+		zc = nbd.ZeroCopyUnix
+	}
+	srv := nbd.NewServer(nbd.Config{Logger: log, ZeroCopy: zc})
 	if err := srv.AddExport(nbd.Export{Name: o.name, Description: dev.Describe,
 		Backend: dev.Backend, ReadOnly: o.readOnly}); err != nil {
 		return err
