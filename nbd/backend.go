@@ -114,9 +114,6 @@ type Request struct {
 	owner  completer
 	buf    *payload
 	held   int // payload bytes reserved against the connection's budget
-	// spliceAt is the index of the payload in the sender's iov when
-	// the reply goes out by splice.
-	spliceAt int
 	// inSubmit is set while the reader is inside Backend.Submit(r): a
 	// completion then is inline and the reader will send its reply.
 	inSubmit atomic.Bool

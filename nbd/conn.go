@@ -80,7 +80,7 @@ func newConn(s *Server, w *wire, br *bufio.Reader, sess *session) *conn {
 	}
 	c.cond.L = &c.mu
 	c.send.init(w, n)
-	c.send.sp.on = zeroCopyFor(s.cfg.ZeroCopy, sess.kernel, w.fd)
+	c.send.sp.on = zeroCopyFor(s.cfg.ZeroCopy, sess.kernel, w.unix)
 	reqs := make([]Request, n)
 	for i := range reqs {
 		reqs[i].owner = c

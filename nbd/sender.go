@@ -30,7 +30,7 @@ type sendState struct {
 	// end < len(iov), is the payload of zc[zi], to be spliced.
 	nb     net.Buffers
 	end    int
-	zc     []*Request
+	zc     []spliceReply
 	zi     int
 	iovecs []unix.Iovec
 	msg    unix.Msghdr
@@ -43,7 +43,7 @@ func (s *sendState) init(w *wire, n int) {
 	s.batch = make([]*Request, 0, n)
 	s.iov = make([][]byte, 0, 2*n)
 	s.iovecs = make([]unix.Iovec, iovMax)
-	s.zc = make([]*Request, 0, n)
+	s.zc = make([]spliceReply, 0, n)
 }
 
 // sendmsg sends as much of s.nb as one call takes and consumes it.
@@ -197,21 +197,18 @@ func (c *conn) writeRound() bool {
 	if !resume {
 		c.encode()
 	}
-	for c.send.err == nil {
+	for c.send.err == nil && c.send.pending() {
 		var err error
 		switch {
-		case len(c.send.nb) > 0 && c.w.fd >= 0:
-			err = c.send.sendmsg(false)
-		case len(c.send.nb) > 0:
-			_, err = c.send.nb.WriteTo(c.w.nc)
-		case c.send.end < len(c.send.iov):
+		case len(c.send.nb) == 0:
 			err = c.spliceNext()
+		case c.w.fd >= 0:
+			err = c.send.sendmsg(false)
+		default:
+			_, err = c.send.nb.WriteTo(c.w.nc)
 		}
 		if err != nil {
 			c.fail(err)
-		}
-		if len(c.send.nb) == 0 && c.send.end == len(c.send.iov) {
-			break
 		}
 	}
 	c.release()
@@ -222,7 +219,7 @@ func (c *conn) writeRound() bool {
 // and moves on to the next run.
 func (c *conn) spliceNext() error {
 	s := &c.send
-	r := s.zc[s.zi]
+	r := s.zc[s.zi].r
 	err := s.sp.splice(c.w.fd, s.iov[s.end])
 	if err == nil {
 		c.srv.spliced.Add(uint64(len(r.Data)))
@@ -234,12 +231,15 @@ func (c *conn) spliceNext() error {
 	return err
 }
 
+// pending reports whether any of the batch is still to be sent.
+func (s *sendState) pending() bool { return len(s.nb) > 0 || s.end < len(s.iov) }
+
 // window makes nb the run of iov from start to the next payload to
 // splice (or to the end).
 func (s *sendState) window(start int) {
 	s.end = len(s.iov)
 	if s.zi < len(s.zc) {
-		s.end = s.zc[s.zi].spliceAt
+		s.end = s.zc[s.zi].at
 	}
 	s.nb = s.iov[start:s.end]
 }
@@ -253,8 +253,8 @@ func (c *conn) encode() {
 	for _, r := range s.batch {
 		iov = c.appendReply(iov, r)
 		if s.sp.spliceable(r) {
-			r.spliceAt = len(iov) - 1 // appendReply put the payload last
-			s.zc = append(s.zc, r)
+			// appendReply put the payload last
+			s.zc = append(s.zc, spliceReply{r, len(iov) - 1})
 		}
 	}
 	s.iov = iov
@@ -281,7 +281,7 @@ func (c *conn) trySend() bool {
 			return true
 		}
 	}
-	return c.send.end == len(c.send.iov)
+	return !c.send.pending()
 }
 
 // consume drops the first n bytes of b.

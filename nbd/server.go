@@ -248,7 +248,7 @@ func (s *Server) transmit(w *wire, br *bufio.Reader, sess *session) error {
 	}
 	r := w.detach(br)
 	s.mu.Unlock()
-	if w.fd >= 0 && s.cfg.SendBuffer > 0 && isUnix(w.fd) {
+	if w.unix && s.cfg.SendBuffer > 0 {
 		SetSendBuffer(w.fd, s.cfg.SendBuffer)
 	}
 	c := newConn(s, w, bufio.NewReaderSize(r, 64<<10), sess)

@@ -28,6 +28,9 @@ type wire struct {
 	nc net.Conn // handshake, and transmission when nc is no socket (tests)
 	f  *os.File // the detached socket, or nil
 	fd int      // f's descriptor, or -1
+	// unix: fd is an AF_UNIX socket (its send buffer is ours to size,
+	// and it may splice).
+	unix bool
 }
 
 func newWire(nc net.Conn) *wire { return &wire{nc: nc, fd: -1} }
@@ -62,6 +65,8 @@ func (w *wire) detach(br *bufio.Reader) io.Reader {
 	if fd >= 0 {
 		w.nc.Close() // leaves the poller; the duplicate keeps the socket
 		w.f, w.fd = os.NewFile(uintptr(fd), "nbd"), fd
+		d, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_DOMAIN)
+		w.unix = err == nil && d == unix.AF_UNIX
 		r = w.f
 	}
 	if len(rest) > 0 {
@@ -117,9 +122,4 @@ func SetSendBuffer(fd, n int) error {
 		return nil
 	}
 	return unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_SNDBUF, n)
-}
-
-func isUnix(fd int) bool {
-	d, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_DOMAIN)
-	return err == nil && d == unix.AF_UNIX
 }

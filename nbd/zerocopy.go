@@ -44,9 +44,15 @@ const (
 type spliceState struct {
 	on     bool
 	pr, pw int    // the pipe, once needed
-	pipe   int    // its capacity
+	pipe   int    // its capacity; 0 until it is opened
 	sent   uint64 // bytes written to the socket so far, by any call
 	parked []parked
+}
+
+// spliceReply is a reply whose payload, iov[at], goes out by splice.
+type spliceReply struct {
+	r  *Request
+	at int
 }
 
 // parked is a spliced payload waiting for the peer to consume it.
@@ -55,13 +61,10 @@ type parked struct {
 	end uint64 // sent, just after its last byte
 }
 
-// zeroCopyFor says whether fd's connection splices: an AF_UNIX stream
-// socket (never TCP, see above) allowed by the mode.
-func zeroCopyFor(mode ZeroCopy, kernel bool, fd int) bool {
-	if fd < 0 || mode == ZeroCopyOff || mode == ZeroCopyKernel && !kernel {
-		return false
-	}
-	return isUnix(fd)
+// zeroCopyFor says whether a connection splices: a unix socket (never
+// TCP, see above) that the mode allows.
+func zeroCopyFor(mode ZeroCopy, kernel, unixSocket bool) bool {
+	return unixSocket && (mode == ZeroCopyUnix || mode == ZeroCopyKernel && kernel)
 }
 
 // spliceable reports whether r's reply payload may go out by reference.
@@ -73,7 +76,7 @@ func (z *spliceState) spliceable(r *Request) bool {
 // splice writes b to the socket fd by page reference. It blocks until all
 // of b is in the socket (or the socket fails).
 func (z *spliceState) splice(fd int, b []byte) error {
-	if z.pw <= 0 {
+	if z.pipe == 0 {
 		if err := z.openPipe(); err != nil {
 			return err
 		}
@@ -157,10 +160,10 @@ func (z *spliceState) reclaim(fd int, pool *bufPool) {
 // close drops the pipe. Parked payloads are left to the collector, whose
 // cleanup unmaps them: safe even while the peer still reads them.
 func (z *spliceState) close() {
-	if z.pw > 0 {
+	if z.pipe > 0 {
 		unix.Close(z.pr)
 		unix.Close(z.pw)
-		z.pr, z.pw = 0, 0
+		z.pipe = 0
 	}
 	clear(z.parked)
 	z.parked = nil
