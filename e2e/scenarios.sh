@@ -16,7 +16,12 @@ recap=() # every failed check, repeated at the end where a CI log's tail shows i
 log() { echo "e2e: $*"; }
 check() { # check DESCRIPTION COMMAND...: one assertion
 	local what=$1; shift
-	if "$@"; then log "  ok   $what"; else log "  FAIL $what"; fail_check "$what"; fi
+	rm -f "$work/why"
+	if "$@"; then log "  ok   $what"; return; fi
+	# The recap at the end is what a CI log's tail shows: keep the why.
+	local why=""
+	[ -s "$work/why" ] && why=" -- $(tr '\n' ' ' < "$work/why" | cut -c1-300)"
+	log "  FAIL $what$why"; fail_check "$what$why"
 }
 fail_check() { scenario_failed=1; recap+=("$current: $1"); }
 run_scenario() {
@@ -58,10 +63,13 @@ fio_run() { # fio_run OUT FILE_OR_DEV SIZE [extra fio args]: 4k randwrite + crc3
 }
 fio_clean() { # fio_clean OUT RC: fio exited 0 and no job reported an error
 	local out=$1 rc=$2
-	[ "$rc" -eq 0 ] || { tail -5 "$out"; return 1; }
+	[ "$rc" -eq 0 ] || { tail -5 "$out"; fio_why "$out" "fio exit $rc"; return 1; }
 	# terse v3: field 5 is the job's error; verify errors fail the run.
 	awk -F';' '/^3;/ { n++; if ($5 != 0) bad = 1 } END { exit (bad || n == 0) }' "$out" ||
-		{ grep -v '^3;' "$out" | tail -5; return 1; }
+		{ grep -v '^3;' "$out" | tail -5; fio_why "$out" "a job reported an error"; return 1; }
+}
+fio_why() { # fio_why OUT WHAT: fio's first error line, for check's recap
+	{ echo "$2:"; grep -v '^3;' "$1" | grep -m2 -iE 'error|verify|fail|invalid|timed out' || grep -v '^3;' "$1" | tail -2; } > "$work/why"
 }
 fio_verify() { fio_run "$work/fio.out" "$@"; fio_clean "$work/fio.out" $?; }
 
@@ -240,11 +248,20 @@ scenario_h() { # the ioctl fallback (forced: this kernel has netlink)
 	pkill -f "$B daemon"; sleep 0.5
 	local dev
 	check "map through ioctls" eval 'dev=$(RBD_NBD_GO_KERNEL_INTERFACE=ioctl $B map --connections 2 mem:128M) && [ -b "$dev" ]'
+	# NBD_DO_IT starts the device after the setup ioctls return: map must
+	# wait for it (it once printed the device while its size was still 0).
+	check "the device has its size when map returns" eval '[ $(blockdev --getsize64 $dev) -eq $((128 << 20)) ]'
 	check "daemon uses ioctl" eval 'tail -3 /run/rbd-nbd-go/daemon.log > $work/dl && grep -q "kernel=ioctl" $work/dl'
 	check "2 hardware queues" eval '[ $(ls /sys/block/${dev#/dev/}/mq | wc -l) -eq 2 ]'
 	check "fio verify" fio_verify "$dev" 32M
 	check "unmap" $B unmap "$dev"
 	check "device released" eval '[ ! -e /sys/block/${dev#/dev/}/pid ]'
+	local i sizes=""
+	for i in 1 2 3 4 5; do
+		dev=$(RBD_NBD_GO_KERNEL_INTERFACE=ioctl $B map --connections 2 mem:64M) &&
+			sizes+=" $(blockdev --getsize64 $dev)" && $B unmap "$dev"
+	done
+	check "5 more maps: each has its size at once (${sizes# })" eval '[ "$sizes" = "$(printf " %d" $((64 << 20)){,,,,})" ]'
 	pkill -f "$B daemon"; sleep 0.5
 }
 

@@ -5,8 +5,11 @@ import (
 	"fmt"
 	"os"
 	"runtime"
+	"strconv"
+	"strings"
 	"sync"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -22,6 +25,11 @@ const (
 	ioSetTimeout    = 0xab09
 	ioSetFlags      = 0xab0a
 )
+
+// startTimeout bounds the wait for NBD_DO_IT to start a device: the
+// kernel freezes the queue to resize its hardware queues first, which
+// takes an RCU grace period or so even on a slow VM.
+const startTimeout = 30 * time.Second
 
 // Ioctl is the fallback Controller for kernels without the genl family.
 // NBD_DO_IT blocks for the device's whole life, so each device keeps one
@@ -54,24 +62,13 @@ func (k *Ioctl) Connect(cfg Config, socks []*os.File) (int, error) {
 	if len(socks) == 0 || cfg.Size == 0 {
 		return 0, errors.New("connect: need sockets and a size")
 	}
-	index := cfg.Index
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	if index == AnyIndex {
-		for i := 0; ; i++ {
-			if _, err := os.Stat(k.path(i)); err != nil {
-				return 0, errors.New("no free /dev/nbdN device (raise --nbds_max)")
-			}
-			if _, busy := k.running[i]; !busy && k.free(i) {
-				index = i
-				break
-			}
-		}
-	} else if _, busy := k.running[index]; busy || !k.free(index) {
-		return 0, fmt.Errorf("/dev/nbd%d is busy (already connected)", index)
+	index, done, err := k.reserve(cfg.Index)
+	if err != nil {
+		return 0, err
 	}
 	f, err := os.OpenFile(k.path(index), os.O_RDWR, 0)
 	if err != nil {
+		k.release(index)
 		return 0, err
 	}
 	// The kernel binds a device to the thread that sets its first
@@ -79,11 +76,11 @@ func (k *Ioctl) Connect(cfg Config, socks []*os.File) (int, error) {
 	// NBD_DO_IT all run on one locked thread, which then serves the
 	// device for its whole life.
 	setup := make(chan error, 1)
-	done := make(chan error, 1)
 	go func() {
 		runtime.LockOSThread()
 		if err := k.setup(f.Fd(), index, cfg, socks); err != nil {
 			f.Close()
+			k.release(index)
 			setup <- err
 			return
 		}
@@ -91,9 +88,7 @@ func (k *Ioctl) Connect(cfg Config, socks []*os.File) (int, error) {
 		_, _, e := unix.Syscall(unix.SYS_IOCTL, f.Fd(), ioDoIt, 0)
 		unix.Syscall(unix.SYS_IOCTL, f.Fd(), ioClearSock, 0)
 		f.Close()
-		k.mu.Lock()
-		delete(k.running, index)
-		k.mu.Unlock()
+		k.release(index)
 		if e != 0 && e != syscall.EPIPE {
 			done <- e
 		}
@@ -102,8 +97,69 @@ func (k *Ioctl) Connect(cfg Config, socks []*os.File) (int, error) {
 	if err := <-setup; err != nil {
 		return 0, err
 	}
-	k.running[index] = done
+	bs := cfg.blockSize()
+	if err := k.waitStarted(index, cfg.Size/bs*bs, done); err != nil {
+		return 0, err
+	}
 	return index, nil
+}
+
+// reserve picks the device (the first free one for AnyIndex) and marks it
+// ours, so that a concurrent Connect cannot pick it too.
+func (k *Ioctl) reserve(index int) (int, chan error, error) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if index == AnyIndex {
+		for i := 0; ; i++ {
+			if _, err := os.Stat(k.path(i)); err != nil {
+				return 0, nil, errors.New("no free /dev/nbdN device (raise --nbds_max)")
+			}
+			if _, busy := k.running[i]; !busy && k.free(i) {
+				index = i
+				break
+			}
+		}
+	} else if _, busy := k.running[index]; busy || !k.free(index) {
+		return 0, nil, fmt.Errorf("/dev/nbd%d is busy (already connected)", index)
+	}
+	done := make(chan error, 1)
+	k.running[index] = done
+	return index, done, nil
+}
+
+func (k *Ioctl) release(index int) {
+	k.mu.Lock()
+	delete(k.running, index)
+	k.mu.Unlock()
+}
+
+// waitStarted returns once the kernel has started the device. Unlike
+// netlink's CONNECT, the setup ioctls return before NBD_DO_IT starts it:
+// until then the disk has no capacity, and a caller handed the device
+// path at once (map prints it) would open an empty disk. Starting a
+// device creates its pid attribute and sets the capacity last, and a
+// stopped one has neither, so the two together are the signal.
+func (k *Ioctl) waitStarted(index int, size uint64, done <-chan error) error {
+	sizeFile := fmt.Sprintf("%s/nbd%d/size", k.sysDir, index)
+	want := strconv.FormatUint(size>>9, 10)
+	deadline := time.Now().Add(startTimeout)
+	for delay := time.Millisecond; ; delay = min(2*delay, 50*time.Millisecond) {
+		if b, err := os.ReadFile(sizeFile); err == nil && strings.TrimSpace(string(b)) == want && !k.free(index) {
+			return nil
+		}
+		select {
+		case err, ok := <-done:
+			if !ok {
+				err = errors.New("the kernel ended the device at once")
+			}
+			return fmt.Errorf("/dev/nbd%d: start: %w", index, err)
+		case <-time.After(delay):
+		}
+		if time.Now().After(deadline) {
+			k.Disconnect(index)
+			return fmt.Errorf("/dev/nbd%d: the kernel did not start the device within %v", index, startTimeout)
+		}
+	}
 }
 
 func (k *Ioctl) setup(fd uintptr, index int, cfg Config, socks []*os.File) error {
