@@ -102,7 +102,8 @@ type Request struct {
 	Offset uint64
 	Length uint32
 	// Data holds Length bytes: the destination of a read, the source of a
-	// write; nil for other ops. Pooled memory, valid until Complete.
+	// write; nil for other ops. Pooled memory, valid until Complete. A
+	// READ may instead be answered with a Loan (see Lend).
 	Data []byte
 	// Extents is appended to by BLOCK_STATUS; starts empty with capacity.
 	Extents []Extent
@@ -113,7 +114,11 @@ type Request struct {
 	err    error
 	owner  completer
 	buf    *payload
-	held   int // payload bytes reserved against the connection's budget
+	loan   Loan // read data lent by the backend, instead of Data
+	held   int  // payload bytes reserved against the connection's budget
+	// lendable: a READ on a connection, which knows how to send and
+	// release a Loan.
+	lendable bool
 	// inSubmit is set while the reader is inside Backend.Submit(r): a
 	// completion then is inline and the reader will send its reply.
 	inSubmit atomic.Bool

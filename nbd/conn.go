@@ -101,7 +101,10 @@ func (c *conn) serve() error {
 	c.mu.Unlock()
 	close(c.stop)
 	<-c.exited
-	c.send.sp.close()
+	if n := c.send.sp.close(c.w.fd, &c.srv.bufs); n > 0 {
+		c.srv.log.Warn("nbd: peer left lent read data unconsumed; leaking it rather than reusing it under the peer",
+			"loans", n, "remote", remote(c.w.nc))
+	}
 	if errors.Is(err, os.ErrDeadlineExceeded) && c.srv.isClosing() {
 		err = nil // Shutdown interrupted the read on purpose
 	}
@@ -151,6 +154,7 @@ func (c *conn) readLoop() error {
 		r.cookie, r.cmd, r.cflags = be.Uint64(h[8:]), cmd, cflags
 		r.Offset, r.Length = be.Uint64(h[16:]), length
 		r.err, r.Extents = nil, r.Extents[:0]
+		r.lendable = cmd == cmdRead
 		if e := c.check(r); e != 0 {
 			if cmd == cmdWrite {
 				// The payload is on the wire whatever we think of it.
@@ -292,5 +296,9 @@ func (c *conn) releaseBuf(r *Request) {
 	if r.buf != nil {
 		c.srv.bufs.put(r.buf)
 		r.buf, r.Data = nil, nil
+	}
+	if r.loan != nil {
+		r.loan.Release()
+		r.loan = nil
 	}
 }

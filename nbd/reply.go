@@ -3,6 +3,7 @@ package nbd
 // appendReply encodes r's reply into r's own scratch space and appends the
 // pieces (header, then payload by reference: no copy) to iov.
 func (c *conn) appendReply(iov [][]byte, r *Request) [][]byte {
+	r.checkLoan()
 	e := ErrnoOf(r.err)
 	if !c.structured || (e == 0 && r.cmd != cmdRead && r.cmd != cmdBlockStatus) {
 		// Simple replies are also allowed with structured replies on,
@@ -13,7 +14,7 @@ func (c *conn) appendReply(iov [][]byte, r *Request) [][]byte {
 		be.PutUint64(h[8:], r.cookie)
 		iov = append(iov, h)
 		if e == 0 && r.cmd == cmdRead && r.Length > 0 {
-			iov = append(iov, r.Data)
+			iov = r.appendPayload(iov)
 		}
 		return iov
 	}
@@ -46,7 +47,7 @@ func (c *conn) appendReply(iov [][]byte, r *Request) [][]byte {
 	h := r.hdr[:structuredHeaderSize+8]
 	putChunkHeader(h, replyTypeOffsetData, r.cookie, 8+int(r.Length))
 	be.PutUint64(h[20:], r.Offset)
-	return append(iov, h, r.Data)
+	return r.appendPayload(append(iov, h))
 }
 
 func putChunkHeader(h []byte, typ uint16, cookie uint64, length int) {

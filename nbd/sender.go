@@ -27,7 +27,7 @@ type sendState struct {
 	batch []*Request
 	iov   [][]byte
 	// nb is the run of iov being copied out, iov[..:end]; at end, when
-	// end < len(iov), is the payload of zc[zi], to be spliced.
+	// end < len(iov), starts the payload of zc[zi], to be spliced.
 	nb     net.Buffers
 	end    int
 	zc     []spliceReply
@@ -219,15 +219,15 @@ func (c *conn) writeRound() bool {
 // and moves on to the next run.
 func (c *conn) spliceNext() error {
 	s := &c.send
-	r := s.zc[s.zi].r
-	err := s.sp.splice(c.w.fd, s.iov[s.end])
+	z := s.zc[s.zi]
+	err := s.sp.splice(c.w.fd, s.iov[s.end:s.end+z.n])
 	if err == nil {
-		c.srv.spliced.Add(uint64(len(r.Data)))
+		c.srv.spliced.Add(uint64(z.r.Length))
 	}
 	// Parked even after an error: part of it may be in the socket.
-	s.sp.park(r)
+	s.sp.park(z.r)
 	s.zi++
-	s.window(s.end + 1)
+	s.window(s.end + z.n)
 	return err
 }
 
@@ -254,7 +254,8 @@ func (c *conn) encode() {
 		iov = c.appendReply(iov, r)
 		if s.sp.spliceable(r) {
 			// appendReply put the payload last
-			s.zc = append(s.zc, spliceReply{r, len(iov) - 1})
+			n := r.payloadParts()
+			s.zc = append(s.zc, spliceReply{r, len(iov) - n, n})
 		}
 	}
 	s.iov = iov

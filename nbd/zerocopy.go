@@ -1,6 +1,8 @@
 package nbd
 
 import (
+	"time"
+
 	"golang.org/x/sys/unix"
 )
 
@@ -49,16 +51,18 @@ type spliceState struct {
 	parked []parked
 }
 
-// spliceReply is a reply whose payload, iov[at], goes out by splice.
+// spliceReply is a reply whose payload, iov[at:at+n], goes out by splice.
 type spliceReply struct {
-	r  *Request
-	at int
+	r     *Request
+	at, n int
 }
 
-// parked is a spliced payload waiting for the peer to consume it.
+// parked is a spliced payload waiting for the peer to consume it: our
+// buffer or a backend's loan.
 type parked struct {
-	buf *payload
-	end uint64 // sent, just after its last byte
+	buf  *payload
+	loan Loan
+	end  uint64 // sent, just after its last byte
 }
 
 // zeroCopyFor says whether a connection splices: a unix socket (never
@@ -69,20 +73,25 @@ func zeroCopyFor(mode ZeroCopy, kernel, unixSocket bool) bool {
 
 // spliceable reports whether r's reply payload may go out by reference.
 func (z *spliceState) spliceable(r *Request) bool {
-	return z.on && r.cmd == cmdRead && r.err == nil && len(r.Data) >= zeroCopyMin &&
-		r.buf != nil && r.buf.mapped
+	return z.on && r.cmd == cmdRead && r.err == nil && r.Length >= zeroCopyMin &&
+		(r.loan != nil || r.buf != nil && r.buf.mapped)
 }
 
-// splice writes b to the socket fd by page reference. It blocks until all
-// of b is in the socket (or the socket fails).
-func (z *spliceState) splice(fd int, b []byte) error {
+// splice writes segs to the socket fd by page reference. It blocks until
+// all of them are in the socket (or the socket fails).
+func (z *spliceState) splice(fd int, segs [][]byte) error {
 	if z.pipe == 0 {
 		if err := z.openPipe(); err != nil {
 			return err
 		}
 	}
 	var iov [1]unix.Iovec
-	for len(b) > 0 {
+	for len(segs) > 0 {
+		b := segs[0]
+		if len(b) == 0 {
+			segs = segs[1:]
+			continue
+		}
 		n := min(len(b), z.pipe)
 		iov[0].Base = &b[0]
 		iov[0].SetLen(n)
@@ -107,7 +116,7 @@ func (z *spliceState) splice(fd int, b []byte) error {
 			left -= int(out)
 			z.sent += uint64(out)
 		}
-		b = b[in:]
+		segs[0] = b[in:]
 	}
 	return nil
 }
@@ -129,6 +138,11 @@ func (z *spliceState) openPipe() error {
 
 // park keeps r's payload from reuse until the peer has consumed it.
 func (z *spliceState) park(r *Request) {
+	if r.loan != nil {
+		z.parked = append(z.parked, parked{loan: r.loan, end: z.sent})
+		r.loan = nil
+		return // r.Data, unused, goes back to the pool as usual
+	}
 	z.parked = append(z.parked, parked{buf: r.buf, end: z.sent})
 	r.buf, r.Data = nil, nil
 }
@@ -147,7 +161,11 @@ func (z *spliceState) reclaim(fd int, pool *bufPool) {
 		if uint64(q) > z.sent-p.end {
 			break
 		}
-		pool.put(p.buf)
+		if p.loan != nil {
+			p.loan.Release()
+		} else {
+			pool.put(p.buf)
+		}
 		n++
 	}
 	if n > 0 {
@@ -157,9 +175,30 @@ func (z *spliceState) reclaim(fd int, pool *bufPool) {
 	}
 }
 
-// close drops the pipe. Parked payloads are left to the collector, whose
-// cleanup unmaps them: safe even while the peer still reads them.
-func (z *spliceState) close() {
+// loanDrainWait bounds how long a closing connection waits for its peer
+// to consume (or drop) lent payloads it was sent by reference.
+const loanDrainWait = 5 * time.Second
+
+// close drops the pipe; it returns how many loans it had to leak. Parked
+// buffers of ours are left to the collector, whose cleanup unmaps them:
+// safe even while the peer still reads them. A loan is the backend's
+// memory, reused once released, so it is released only when the peer has
+// consumed it or gone away (its queue is then purged): close waits for
+// that, and a loan still unread after loanDrainWait is never released —
+// leaked rather than reused under the peer.
+func (z *spliceState) close(fd int, pool *bufPool) (leaked int) {
+	for deadline := time.Now().Add(loanDrainWait); ; time.Sleep(5 * time.Millisecond) {
+		leaked = 0
+		for _, p := range z.parked {
+			if p.loan != nil {
+				leaked++
+			}
+		}
+		if leaked == 0 || fd < 0 || time.Now().After(deadline) {
+			break
+		}
+		z.reclaim(fd, pool)
+	}
 	if z.pipe > 0 {
 		unix.Close(z.pr)
 		unix.Close(z.pw)
@@ -167,4 +206,5 @@ func (z *spliceState) close() {
 	}
 	clear(z.parked)
 	z.parked = nil
+	return leaked
 }

@@ -14,6 +14,7 @@ package rbdio
 // not affected.
 
 /*
+#cgo CXXFLAGS: -std=c++17 -O2
 #cgo LDFLAGS: -l:libtcmalloc_minimal.so.4 -lrbd -lrados -lpthread
 #include <errno.h>
 #include <pthread.h>
@@ -22,6 +23,7 @@ package rbdio
 #include <string.h>
 #include <unistd.h>
 #include <rbd/librbd.h>
+#include "lend.h"
 
 enum { OP_READ = 0, OP_WRITE = 1, OP_FLUSH = 3, OP_DISCARD = 4, OP_ZEROES = 6 };
 
@@ -41,6 +43,7 @@ struct nbdgo_img {
 struct nbdgo_slot {
 	struct nbdgo_img *img;
 	uintptr_t tag;
+	struct nbdgo_bl *bl; // a lent read's data (lend.cc), set before it starts
 };
 
 static struct nbdgo_img *nbdgo_img_new(int efd) {
@@ -64,6 +67,7 @@ static struct nbdgo_slot *nbdgo_slot_new(struct nbdgo_img *im, uintptr_t tag) {
 	if (s != NULL) {
 		s->img = im;
 		s->tag = tag;
+		s->bl = NULL;
 	}
 	return s;
 }
@@ -112,6 +116,26 @@ static int nbdgo_aio(rbd_image_t img, int op, uint64_t off, uint64_t len,
 	}
 	if (r < 0)
 		rbd_aio_release(c);
+	return r;
+}
+
+// nbdgo_aio_read_lend starts a read into a new bufferlist, kept in s->bl
+// (see lend.cc), whose completion reports slot s. The slot holds the
+// bufferlist before the read starts, so the reaper always finds it.
+static int nbdgo_aio_read_lend(void *view, uint64_t off, uint64_t len, struct nbdgo_slot *s) {
+	rbd_completion_t c;
+	if ((s->bl = nbdgo_bl_new()) == NULL)
+		return -ENOMEM;
+	int r = rbd_aio_create_completion(s, nbdgo_cb, &c);
+	if (r >= 0) {
+		r = nbdgo_aio_read_bl(view, off, len, c, s->bl);
+		if (r < 0)
+			rbd_aio_release(c);
+	}
+	if (r < 0) {
+		nbdgo_bl_free(s->bl);
+		s->bl = NULL;
+	}
 	return r;
 }
 
@@ -178,8 +202,9 @@ import (
 const pollBatch = 256
 
 type cImage struct {
-	p C.rbd_image_t
-	q *C.struct_nbdgo_img
+	p    C.rbd_image_t
+	q    *C.struct_nbdgo_img
+	view unsafe.Pointer // C++ view for lent reads (lend.go); nil: copy
 }
 
 // cSlot is a slot's C-side identity: the completion callback's argument.
@@ -280,6 +305,19 @@ func (i cImage) aio(op int, off, length uint64, buf []byte, zeroFlags int, s cSl
 	}
 	return errnoOf(C.nbdgo_aio(i.p, C.int(op), C.uint64_t(off), C.uint64_t(length), p,
 		C.int(zeroFlags), s))
+}
+
+// aioReadLend starts a read of length bytes at off into slot s's
+// bufferlist.
+func (i cImage) aioReadLend(off, length uint64, s cSlot) error {
+	return errnoOf(C.nbdgo_aio_read_lend(i.view, C.uint64_t(off), C.uint64_t(length), s))
+}
+
+// takeBL hands over the bufferlist of slot s's finished read, if any.
+func takeBL(s cSlot) *C.struct_nbdgo_bl {
+	bl := s.bl
+	s.bl = nil
+	return bl
 }
 
 // poll drains finished completions into tags and rets.

@@ -37,7 +37,8 @@ type OpenOptions struct {
 // librbd completion, so no Go pointer crosses into C and the lookup on
 // completion is an index. Payload buffers are pinned while librbd holds
 // them: librbd reads into and writes from the NBD layer's own buffers,
-// with no copy in Go. One goroutine, blocked on an eventfd librbd
+// with no copy in Go. Large reads on a connection are not even copied by
+// librbd: they are lent from its own buffers (lend.go). One goroutine, blocked on an eventfd librbd
 // signals, reaps completions in batches: no goroutine or thread per
 // request.
 type Image struct {
@@ -63,6 +64,7 @@ type Image struct {
 	release func() // cluster connection reference and ioctx
 
 	quiesce *quiescer
+	loans   *loanPool
 }
 
 type slot struct {
@@ -92,6 +94,7 @@ func Open(clusters *Clusters, o Options, spec ImageSpec, oo OpenOptions) (*Image
 		return nil, fmt.Errorf("open image %s: %w", spec, err)
 	}
 	if err := im.start(oo); err != nil {
+		im.img.closeView()
 		im.img.close()
 		im.img.freeQueue(nil)
 		im.closeFDs()
@@ -117,6 +120,8 @@ func (im *Image) start(oo OpenOptions) error {
 	}
 	im.size.Store(size)
 	im.fastDiff = im.img.fastDiff()
+	im.img.openView()
+	im.loans = newLoanPool()
 	if oo.Exclusive {
 		if im.readOnly {
 			return fmt.Errorf("image %s: --exclusive needs a writable image", im.spec)
@@ -197,6 +202,12 @@ func (im *Image) Submit(r *nbd.Request) {
 	var op, zf int
 	switch r.Op {
 	case nbd.OpRead:
+		if r.Length >= lendMin && im.img.view != nil && r.CanLend() {
+			if err := im.img.aioReadLend(r.Offset, uint64(r.Length), cs); err != nil {
+				im.finish(tag, -int64(err.(syscall.Errno)), nil)
+			}
+			return
+		}
 		op = aioRead
 	case nbd.OpWrite:
 		op = aioWrite
@@ -294,6 +305,7 @@ func (im *Image) finish(tag uint32, ret int64, batch *nbd.Batch) {
 	r := s.r
 	s.r = nil
 	s.pin.Unpin()
+	bl := takeBL(s.c)
 	im.free = append(im.free, tag)
 	if im.inflight--; im.inflight == 0 {
 		im.idle.Broadcast()
@@ -302,6 +314,13 @@ func (im *Image) finish(tag uint32, ret int64, batch *nbd.Batch) {
 	var err error
 	if ret < 0 {
 		err = syscall.Errno(-ret)
+	}
+	if bl != nil {
+		if err == nil {
+			lendOrCopy(r, bl, im.loans)
+		} else {
+			freeBL(bl)
+		}
 	}
 	if batch != nil {
 		batch.Complete(r, err)
@@ -367,6 +386,7 @@ func (im *Image) Close() error {
 	<-im.watched
 	err := im.quiesce.stop()
 	err = errors.Join(err, im.img.updateUnwatch(im.watchHandle))
+	im.img.closeView()
 	err = errors.Join(err, im.img.close())
 	cs := make([]cSlot, len(im.slots))
 	for i, s := range im.slots {

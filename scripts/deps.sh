@@ -11,6 +11,7 @@ pkgs=(
   qemu-utils     # qemu-io, qemu-img
   ceph-mon ceph-osd ceph-common # the dev cluster (scripts/ceph-dev-cluster), rbd tool
   librbd-dev librados-dev       # cgo headers and libraries for rbdio
+  libradospp-dev g++            # librbd's C++ API: lent reads (rbdio/lend.cc)
   libtcmalloc-minimal4          # malloc for librbd in our process (see rbdio/aio.go)
   gcc libc6-dev                 # cgo
   mount                         # losetup, for the block-device test
