@@ -43,7 +43,7 @@ func newSuite(name, bin string) (*suite, error) {
 			teardown: func() {},
 		}, nil
 	case "rbd":
-		return rbdSuite(bin), nil
+		return rbdSuite(bin, os.Getenv("BENCH_ALT_BIN")), nil
 	}
 	return nil, fmt.Errorf("unknown suite %q (nbd or rbd)", name)
 }
@@ -51,8 +51,9 @@ func newSuite(name, bin string) (*suite, error) {
 // rbdSuite compares, on one dev cluster, fio's rbd engine (librbd direct:
 // the ceiling), fio → NBD → rbd-nbd-go → librbd aio, and the same over
 // go-ceph's synchronous calls. The memstore cluster is recreated every
-// round: its memory grows with every overwrite.
-func rbdSuite(bin string) *suite {
+// round: its memory grows with every overwrite. altBin, if set, adds
+// another build of rbd-nbd-go (both modes) for an A/B in the same run.
+func rbdSuite(bin, altBin string) *suite {
 	const image = "rbd/bench"
 	var dir string
 	st := &suite{
@@ -77,6 +78,13 @@ func rbdSuite(bin string) *suite {
 			"randread-4k-qd32": {MinIOPS: 0.90}, "randwrite-4k-qd32": {MinIOPS: 0.90},
 			"read-1m-qd8": {MinIOPS: 0.95}, "write-1m-qd8": {MinIOPS: 0.95},
 		},
+	}
+	if altBin != "" {
+		st.servers = append(st.servers,
+			server{"alt", func(s, _ string) []string { return []string{altBin, "serve", "--socket", s, image} }, nbdFio, false},
+			server{"alt-zc", func(s, _ string) []string {
+				return []string{altBin, "serve", "--zero-copy", "--socket", s, image}
+			}, nbdFio, false})
 	}
 	script := filepath.Join("scripts", "ceph-dev-cluster")
 	st.setup = func(tmp, size string) ([]string, error) {
