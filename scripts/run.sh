@@ -32,6 +32,9 @@ trap cleanup EXIT
 
 rbd info "$image" >/dev/null 2>&1 || rbd create --size 1G "$image"
 echo "== serving $image on $sock"
+# A socket left by a killed run would pass the wait below before the new
+# server is up (serve itself replaces it): the directory is ours alone.
+rm -f "$sock"
 "$bin" serve --socket "$sock" "$image" &
 pid=$!
 for _ in $(seq 200); do [ -S "$sock" ] && break; kill -0 "$pid" 2>/dev/null || exit 1; sleep 0.05; done
