@@ -36,9 +36,9 @@ func writeSys(t *testing.T, k *Ioctl, name, v string) {
 
 func TestWaitStartedWaitsForCapacityAndPid(t *testing.T) {
 	k := fakeSys(t, "0", false)
-	done := make(chan error, 1)
+	run := &doIt{ended: make(chan struct{})}
 	res := make(chan error, 1)
-	go func() { res <- k.waitStarted(0, 128<<20, done) }()
+	go func() { res <- k.waitStarted(0, 128<<20, run) }()
 	select {
 	case err := <-res:
 		t.Fatalf("returned before the kernel started the device: %v", err)
@@ -63,16 +63,15 @@ func TestWaitStartedWaitsForCapacityAndPid(t *testing.T) {
 
 func TestWaitStartedReportsDoItFailure(t *testing.T) {
 	k := fakeSys(t, "0", false)
-	done := make(chan error, 1)
-	done <- syscall.EINVAL
-	close(done)
-	err := k.waitStarted(0, 128<<20, done)
+	run := &doIt{ended: make(chan struct{}), err: syscall.EINVAL}
+	close(run.ended)
+	err := k.waitStarted(0, 128<<20, run)
 	if !errors.Is(err, syscall.EINVAL) || !strings.Contains(err.Error(), "/dev/nbd0: start") {
 		t.Fatalf("err = %v, want the NBD_DO_IT error", err)
 	}
 	k = fakeSys(t, "0", false)
-	ended := make(chan error)
-	close(ended)
+	ended := &doIt{ended: make(chan struct{})}
+	close(ended.ended)
 	if err := k.waitStarted(0, 128<<20, ended); err == nil || !strings.Contains(err.Error(), "ended the device") {
 		t.Fatalf("err = %v, want 'ended the device'", err)
 	}
@@ -81,15 +80,15 @@ func TestWaitStartedReportsDoItFailure(t *testing.T) {
 func TestWaitStartedWrongSizeIsNotStarted(t *testing.T) {
 	// A capacity that is not ours (another size) must not count.
 	k := fakeSys(t, "2048", true)
-	done := make(chan error, 1)
+	run := &doIt{ended: make(chan struct{})}
 	res := make(chan error, 1)
-	go func() { res <- k.waitStarted(0, 128<<20, done) }()
+	go func() { res <- k.waitStarted(0, 128<<20, run) }()
 	select {
 	case err := <-res:
 		t.Fatalf("took another capacity for ours: %v", err)
 	case <-time.After(100 * time.Millisecond):
 	}
-	close(done)
+	close(run.ended)
 	if err := <-res; err == nil {
 		t.Fatal("no error after NBD_DO_IT ended")
 	}
