@@ -34,22 +34,30 @@ func writeSys(t *testing.T, k *Ioctl, name, v string) {
 	}
 }
 
-func TestWaitStartedWaitsForCapacityAndPid(t *testing.T) {
-	k := fakeSys(t, "0", false)
+// startWaiting runs waitStarted for a 128 MiB device in the background.
+func startWaiting(k *Ioctl) (*doIt, chan error) {
 	run := &doIt{ended: make(chan struct{})}
 	res := make(chan error, 1)
 	go func() { res <- k.waitStarted(0, 128<<20, run) }()
+	return run, res
+}
+
+// stillWaiting fails the test if waitStarted returned within 100 ms.
+func stillWaiting(t *testing.T, res chan error, why string) {
+	t.Helper()
 	select {
 	case err := <-res:
-		t.Fatalf("returned before the kernel started the device: %v", err)
+		t.Fatalf("%s: %v", why, err)
 	case <-time.After(100 * time.Millisecond):
 	}
+}
+
+func TestWaitStartedWaitsForCapacityAndPid(t *testing.T) {
+	k := fakeSys(t, "0", false)
+	_, res := startWaiting(k)
+	stillWaiting(t, res, "returned before the kernel started the device")
 	writeSys(t, k, "size", "262144") // capacity first: still no pid
-	select {
-	case err := <-res:
-		t.Fatalf("returned with no pid attribute: %v", err)
-	case <-time.After(100 * time.Millisecond):
-	}
+	stillWaiting(t, res, "returned with no pid attribute")
 	writeSys(t, k, "pid", "42")
 	select {
 	case err := <-res:
@@ -80,14 +88,8 @@ func TestWaitStartedReportsDoItFailure(t *testing.T) {
 func TestWaitStartedWrongSizeIsNotStarted(t *testing.T) {
 	// A capacity that is not ours (another size) must not count.
 	k := fakeSys(t, "2048", true)
-	run := &doIt{ended: make(chan struct{})}
-	res := make(chan error, 1)
-	go func() { res <- k.waitStarted(0, 128<<20, run) }()
-	select {
-	case err := <-res:
-		t.Fatalf("took another capacity for ours: %v", err)
-	case <-time.After(100 * time.Millisecond):
-	}
+	run, res := startWaiting(k)
+	stillWaiting(t, res, "took another capacity for ours")
 	close(run.ended)
 	if err := <-res; err == nil {
 		t.Fatal("no error after NBD_DO_IT ended")

@@ -116,9 +116,6 @@ type Request struct {
 	buf    *payload
 	loan   Loan // read data lent by the backend, instead of Data
 	held   int  // payload bytes reserved against the connection's budget
-	// lendable: a READ on a connection, which knows how to send and
-	// release a Loan.
-	lendable bool
 	// inSubmit is set while the reader is inside Backend.Submit(r): a
 	// completion then is inline and the reader will send its reply.
 	inSubmit atomic.Bool

@@ -154,7 +154,6 @@ func (c *conn) readLoop() error {
 		r.cookie, r.cmd, r.cflags = be.Uint64(h[8:]), cmd, cflags
 		r.Offset, r.Length = be.Uint64(h[16:]), length
 		r.err, r.Extents = nil, r.Extents[:0]
-		r.lendable = cmd == cmdRead
 		if e := c.check(r); e != 0 {
 			if cmd == cmdWrite {
 				// The payload is on the wire whatever we think of it.

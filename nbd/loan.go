@@ -19,13 +19,16 @@ type Loan interface {
 
 // CanLend reports whether r accepts a Loan: READs served on a connection
 // do; requests of callers outside one (Go, Do) do not.
-func (r *Request) CanLend() bool { return r.lendable }
+func (r *Request) CanLend() bool {
+	_, onConn := r.owner.(*conn)
+	return onConn && r.cmd == cmdRead
+}
 
 // Lend makes l the data of r, a READ for which CanLend holds, in place of
 // r.Data; call it before Complete. The server owns l from then on, also
 // if the request fails.
 func (r *Request) Lend(l Loan) {
-	if !r.lendable {
+	if !r.CanLend() {
 		panic("nbd: Lend on a request that does not take loans")
 	}
 	r.loan = l
@@ -42,20 +45,6 @@ func (r *Request) appendPayload(iov [][]byte) [][]byte {
 		}
 	}
 	return iov
-}
-
-// payloadParts is how many iov entries appendPayload makes.
-func (r *Request) payloadParts() int {
-	if r.loan == nil {
-		return 1
-	}
-	n := 0
-	for _, s := range r.loan.Segments() {
-		if len(s) > 0 {
-			n++
-		}
-	}
-	return n
 }
 
 // checkLoan fails r if its loan does not hold exactly Length bytes: a

@@ -115,24 +115,7 @@ func TestLoansSentAndReleased(t *testing.T) {
 			c.open("", tc.structured)
 			c.c.SetDeadline(time.Now().Add(60 * time.Second))
 			const n = 48
-			go func() {
-				for i := range n {
-					k := (i * 5) % regions
-					c.c.Write(reqBytes(cmdRead, 0, uint64(k), uint64(k*region), region, nil))
-				}
-			}()
-			for i := range n {
-				if i%6 == 0 {
-					time.Sleep(5 * time.Millisecond) // let the socket fill
-				}
-				r := c.recv(region)
-				if r.errno != 0 {
-					t.Fatalf("reply %d: errno %d", i, r.errno)
-				}
-				if !bytes.Equal(r.data, pattern(region, byte(r.cookie))) {
-					t.Fatalf("reply %d: region %d has wrong bytes (a loan released too early?)", i, r.cookie)
-				}
-			}
+			c.slowReads(n, regions, region)
 			if got := s.spliced.Load() > 0; got != tc.spliced {
 				t.Fatalf("spliced = %v, want %v", got, tc.spliced)
 			}

@@ -1,7 +1,8 @@
 package nbd
 
 // appendReply encodes r's reply into r's own scratch space and appends the
-// pieces (header, then payload by reference: no copy) to iov.
+// pieces (header, then payload by reference: no copy) to iov. A READ with
+// data is one header then the payload's pieces: encode relies on it.
 func (c *conn) appendReply(iov [][]byte, r *Request) [][]byte {
 	r.checkLoan()
 	e := ErrnoOf(r.err)

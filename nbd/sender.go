@@ -251,11 +251,10 @@ func (c *conn) encode() {
 	iov := s.iov[:0]
 	s.zc, s.zi = s.zc[:0], 0
 	for _, r := range s.batch {
+		at := len(iov) + 1 // a READ's payload follows its one header
 		iov = c.appendReply(iov, r)
 		if s.sp.spliceable(r) {
-			// appendReply put the payload last
-			n := r.payloadParts()
-			s.zc = append(s.zc, spliceReply{r, len(iov) - n, n})
+			s.zc = append(s.zc, spliceReply{r, at, len(iov) - at})
 		}
 	}
 	s.iov = iov

@@ -187,17 +187,19 @@ const loanDrainWait = 5 * time.Second
 // that, and a loan still unread after loanDrainWait is never released —
 // leaked rather than reused under the peer.
 func (z *spliceState) close(fd int, pool *bufPool) (leaked int) {
-	for deadline := time.Now().Add(loanDrainWait); ; time.Sleep(5 * time.Millisecond) {
+	deadline := time.Now().Add(loanDrainWait)
+	for {
+		z.reclaim(fd, pool)
 		leaked = 0
 		for _, p := range z.parked {
 			if p.loan != nil {
 				leaked++
 			}
 		}
-		if leaked == 0 || fd < 0 || time.Now().After(deadline) {
+		if leaked == 0 || time.Now().After(deadline) {
 			break
 		}
-		z.reclaim(fd, pool)
+		time.Sleep(5 * time.Millisecond)
 	}
 	if z.pipe > 0 {
 		unix.Close(z.pr)

@@ -45,31 +45,7 @@ func TestZeroCopyPayloadsNotReusedEarly(t *testing.T) {
 				c.open("", false)
 			}
 			c.c.SetDeadline(time.Now().Add(60 * time.Second))
-			// A slow reader behind a stream of requests: payloads sit in
-			// the socket while the server reads on into pooled buffers.
-			const n = 96
-			go func() {
-				for i := range n {
-					k := (i * 7) % regions
-					c.c.Write(reqBytes(cmdRead, 0, uint64(k), uint64(k*region), region, nil))
-				}
-			}()
-			for i := range n {
-				if i%8 == 0 {
-					time.Sleep(5 * time.Millisecond)
-				}
-				r := c.recv(region)
-				if r.errno != 0 {
-					t.Fatalf("reply %d: errno %d", i, r.errno)
-				}
-				if want := pattern(region, byte(r.cookie)); !bytes.Equal(r.data, want) {
-					j := 0
-					for r.data[j] == want[j] {
-						j++
-					}
-					t.Fatalf("reply %d: region %d differs from byte %d on", i, r.cookie, j)
-				}
-			}
+			c.slowReads(96, regions, region)
 			if s.spliced.Load() == 0 {
 				t.Fatal("no payload was spliced: the test did not test zero-copy")
 			}
@@ -121,5 +97,35 @@ func TestZeroCopyOnlyWhereSafe(t *testing.T) {
 				t.Fatalf("%d bytes spliced", n)
 			}
 		})
+	}
+}
+
+// slowReads asks for n regions (region k holds pattern(region, k)) all at
+// once and reads the replies slowly: payloads sit in the socket while the
+// server reads on into buffers it recycles. Every reply must still carry
+// its own region.
+func (c *tclient) slowReads(n, regions, region int) {
+	c.t.Helper()
+	go func() {
+		for i := range n {
+			k := (i * 7) % regions
+			c.c.Write(reqBytes(cmdRead, 0, uint64(k), uint64(k*region), uint32(region), nil))
+		}
+	}()
+	for i := range n {
+		if i%8 == 0 {
+			time.Sleep(5 * time.Millisecond) // let the socket fill
+		}
+		r := c.recv(region)
+		if r.errno != 0 {
+			c.t.Fatalf("reply %d: errno %d", i, r.errno)
+		}
+		if want := pattern(region, byte(r.cookie)); !bytes.Equal(r.data, want) {
+			j := 0
+			for r.data[j] == want[j] {
+				j++
+			}
+			c.t.Fatalf("reply %d: region %d differs from byte %d on (reused or released too early?)", i, r.cookie, j)
+		}
 	}
 }

@@ -75,9 +75,8 @@ func newLoanPool() *loanPool {
 
 // lendOrCopy gives r the data of bl, a finished read of r.Length bytes:
 // lent when it can be, else copied into r.Data (zero-filled past a short
-// bufferlist: reads over holes may stop short) and freed. It reports
-// whether it lent.
-func lendOrCopy(r *nbd.Request, bl *C.struct_nbdgo_bl, pool *loanPool) bool {
+// bufferlist: reads over holes may stop short) and freed.
+func lendOrCopy(r *nbd.Request, bl *C.struct_nbdgo_bl, pool *loanPool) {
 	l := pool.Get().(*blLoan)
 	var total C.uint64_t
 	n := int(C.nbdgo_bl_segments(bl, &l.iov[0], maxLendSegs, &total))
@@ -87,7 +86,7 @@ func lendOrCopy(r *nbd.Request, bl *C.struct_nbdgo_bl, pool *loanPool) bool {
 			C.nbdgo_bl_copy(bl, (*C.char)(unsafe.Pointer(&r.Data[0])), C.uint64_t(len(r.Data)))
 		}
 		C.nbdgo_bl_free(bl)
-		return false
+		return
 	}
 	l.bl = bl
 	for k := range n {
@@ -96,5 +95,4 @@ func lendOrCopy(r *nbd.Request, bl *C.struct_nbdgo_bl, pool *loanPool) bool {
 	pool.lent.Add(1)
 	pool.out.Add(1)
 	r.Lend(l)
-	return true
 }
