@@ -65,39 +65,18 @@ type doIt struct {
 	err   error
 }
 
-// settle is how long a started device must stay up before Connect trusts
-// it. Rarely (1 map in 40-100 in the VM, right after an unmap of the same
-// device; cause not yet understood) the kernel starts the device and stops
-// it at once, leaving a disk with no sockets; Connect then fails, loudly,
-// rather than hand out a dead disk. (Starting again would need new
-// sockets: the kernel shuts down the ones it was given.)
-const settle = 100 * time.Millisecond
-
 func (k *Ioctl) Connect(cfg Config, socks []*os.File) (int, error) {
 	if len(socks) == 0 || cfg.Size == 0 {
 		return 0, errors.New("connect: need sockets and a size")
 	}
-	index, run, err := k.connect(cfg, socks)
-	if err != nil {
-		return 0, err
-	}
-	select {
-	case <-run.ended:
-		return 0, fmt.Errorf("/dev/nbd%d: the kernel stopped the device right after starting it (%v); try again", index, run.err)
-	case <-time.After(settle):
-		return index, nil
-	}
-}
-
-func (k *Ioctl) connect(cfg Config, socks []*os.File) (int, *doIt, error) {
 	index, run, err := k.reserve(cfg.Index)
 	if err != nil {
-		return 0, nil, err
+		return 0, err
 	}
 	f, err := os.OpenFile(k.path(index), os.O_RDWR, 0)
 	if err != nil {
 		k.release(index)
-		return 0, nil, err
+		return 0, err
 	}
 	// The kernel binds a device to the thread that sets its first
 	// socket ("being setup by another task" otherwise): setup and
@@ -106,6 +85,7 @@ func (k *Ioctl) connect(cfg Config, socks []*os.File) (int, *doIt, error) {
 	setup := make(chan error, 1)
 	go func() {
 		runtime.LockOSThread()
+		blockSignals()
 		if err := k.setup(f.Fd(), index, cfg, socks); err != nil {
 			f.Close()
 			k.release(index)
@@ -123,13 +103,13 @@ func (k *Ioctl) connect(cfg Config, socks []*os.File) (int, *doIt, error) {
 		close(run.ended)
 	}()
 	if err := <-setup; err != nil {
-		return 0, nil, err
+		return 0, err
 	}
 	bs := cfg.blockSize()
 	if err := k.waitStarted(index, cfg.Size/bs*bs, run); err != nil {
-		return 0, nil, err
+		return 0, err
 	}
-	return index, run, nil
+	return index, nil
 }
 
 // reserve picks the device (the first free one for AnyIndex) and marks it
@@ -189,6 +169,23 @@ func (k *Ioctl) waitStarted(index int, size uint64, run *doIt) error {
 			return fmt.Errorf("/dev/nbd%d: the kernel did not start the device within %v", index, startTimeout)
 		}
 	}
+}
+
+// blockSignals keeps every signal off the calling (locked) thread. The
+// kernel waits in NBD_DO_IT interruptibly and shuts the device's sockets
+// down when a signal interrupts it; the restarted ioctl then leaves a disk
+// with no sockets ("Attempted send on invalid socket"). The Go runtime
+// sends signals to its threads (SIGURG to preempt, and a process-directed
+// SIGTERM or SIGWINCH may land on any thread that does not block it), so
+// one map in 40-100 died that way. SIGKILL still ends the device. The
+// thread exits with its goroutine (it stays locked), so no other goroutine
+// ever runs with this mask.
+func blockSignals() {
+	var all unix.Sigset_t
+	for i := range all.Val {
+		all.Val[i] = ^uint64(0)
+	}
+	unix.PthreadSigmask(unix.SIG_BLOCK, &all, nil)
 }
 
 func (k *Ioctl) setup(fd uintptr, index int, cfg Config, socks []*os.File) error {
