@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -22,6 +23,10 @@ type served struct {
 	opened *backend.Opened
 	srv    *nbd.Server
 	conns  sync.WaitGroup // one per connection goroutine
+	// live counts the connections being served; idle, if set, runs
+	// (and must not block) each time the last of them ends.
+	live atomic.Int32
+	idle func()
 }
 
 // flags are the transmission flags the kernel is told through netlink:
@@ -117,10 +122,14 @@ func (s *served) serve(ours []*os.File, log *slog.Logger) error {
 	}
 	for _, nc := range ncs {
 		s.conns.Add(1)
+		s.live.Add(1)
 		go func() {
 			defer s.conns.Done()
 			if err := s.srv.ServeNegotiated(nc, ""); err != nil && !errors.Is(err, nbd.ErrServerClosed) {
 				log.Warn("kernel connection ended", "err", err)
+			}
+			if s.live.Add(-1) == 0 && s.idle != nil {
+				s.idle()
 			}
 		}()
 	}

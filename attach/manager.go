@@ -146,6 +146,7 @@ func (m *Manager) Map(rec Record) (Record, error) {
 	if err != nil {
 		return Record{}, err
 	}
+	m.watchIdle(d, s)
 	var kEnds, ours []*os.File
 	fail := func(err error) (Record, error) {
 		closeAll(kEnds) // our ends' readers see EOF at once
@@ -356,6 +357,7 @@ func (m *Manager) Attach(rec Record) (Record, error) {
 	if err != nil {
 		return Record{}, err
 	}
+	m.watchIdle(d, s)
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if err := m.reattach(&d.rec, s); err != nil {

@@ -238,6 +238,11 @@ scenario_f() { # bad input: clear errors, nothing left behind
 	check "bad flag is one line" eval '[ $($B map --no-such-flag x 2>&1 | wc -l) -eq 1 ]'
 	umount "$work/mnt"
 	check "unmap after umount" $B unmap "$dev"
+	# Another tool disconnects a device: the daemon lets go of the image.
+	check "map --exclusive" eval 'dev=$(csi_map rbd/vol-f f3 --exclusive) && rbd status rbd/vol-f | grep -q watcher='
+	check "Ceph's rbd-nbd unmaps it" rbd-nbd unmap "$dev"
+	check "the daemon releases it" eval 'for i in $(seq 40); do $B list-mapped | grep -q vol-f || break; sleep 0.25; done; ! $B list-mapped | grep -q vol-f'
+	check "and closes the image (no watcher)" eval 'rbd status rbd/vol-f > $work/st; cat $work/st > $work/why; grep -q "Watchers: none" $work/st'
 	check "nothing left behind" no_devices
 }
 
