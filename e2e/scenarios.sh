@@ -276,6 +276,10 @@ scenario_h() { # the ioctl fallback (forced: this kernel has netlink)
 	check "fio verify" fio_verify "$dev" 32M
 	check "unmap" $B unmap "$dev"
 	check "device released" eval '[ ! -e /sys/block/${dev#/dev/}/pid ]'
+	# Disconnected by another tool, an ioctl device is released too.
+	check "map through ioctls again" eval 'dev=$(RBD_NBD_GO_KERNEL_INTERFACE=ioctl $B map mem:64M) && [ -b "$dev" ]'
+	check "Ceph's rbd-nbd unmaps it" rbd-nbd unmap "$dev"
+	check "the daemon releases it" eval 'for i in $(seq 40); do [ "$($B list-mapped --format json)" = "[]" ] && break; sleep 0.25; done; no_devices'
 	pkill -f "$B daemon"; sleep 0.5
 }
 
