@@ -46,8 +46,11 @@ type sample struct {
 	MiBps      float64 `json:"mib_s"`
 	P99us      float64 `json:"p99_us"`
 	CPUusPerIO float64 `json:"server_cpu_us_per_io"`
-	IOs        int64   `json:"ios"`
-	CPUSec     float64 `json:"server_cpu_s"`
+	// fio's own CPU per I/O: the client, and for direct librbd all of
+	// librbd's work too, so client+server compares every contender.
+	ClientCPUusPerIO float64 `json:"client_cpu_us_per_io"`
+	IOs              int64   `json:"ios"`
+	CPUSec           float64 `json:"server_cpu_s"`
 }
 
 func main() {
@@ -208,7 +211,7 @@ func runOne(tmp string, env []string, jobsDir, job string, srv server, size stri
 	env = append(env, "SIZE="+size, "RUNTIME="+strconv.Itoa(runtime))
 	engine := srv.fio(sock)
 	if strings.Contains(job, "read") && srv.empty {
-		if _, err := fio(env, engine, filepath.Join(jobsDir, "prefill.fio"), runtime*20); err != nil {
+		if _, _, err := fio(env, engine, filepath.Join(jobsDir, "prefill.fio"), runtime*20); err != nil {
 			return sample{}, fmt.Errorf("prefill: %w", err)
 		}
 	}
@@ -216,7 +219,7 @@ func runOne(tmp string, env []string, jobsDir, job string, srv server, size stri
 	if err != nil {
 		return sample{}, err
 	}
-	res, err := fio(env, engine, filepath.Join(jobsDir, job+".fio"), runtime*5+60)
+	res, clientCPU, err := fio(env, engine, filepath.Join(jobsDir, job+".fio"), runtime*5+60)
 	if err != nil {
 		return sample{}, err
 	}
@@ -235,6 +238,7 @@ func runOne(tmp string, env []string, jobsDir, job string, srv server, size stri
 	}
 	if s.IOs > 0 {
 		s.CPUusPerIO = s.CPUSec * 1e6 / float64(s.IOs)
+		s.ClientCPUusPerIO = clientCPU * 1e6 / float64(s.IOs)
 	}
 	return s, nil
 }
@@ -280,7 +284,9 @@ type fioResult struct {
 	} `json:"jobs"`
 }
 
-func fio(env, engine []string, jobfile string, timeout int) (*fioResult, error) {
+// fio runs one job file and returns its results and fio's CPU seconds
+// (its job processes included: wait4 counts the children it reaped).
+func fio(env, engine []string, jobfile string, timeout int) (*fioResult, float64, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(timeout)*time.Second)
 	defer cancel()
 	args := append(append([]string{"--output-format=json"}, engine...), jobfile)
@@ -289,22 +295,23 @@ func fio(env, engine []string, jobfile string, timeout int) (*fioResult, error) 
 	var out, errb bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errb
 	if err := cmd.Run(); err != nil {
-		return nil, fmt.Errorf("fio %s: %v: %s", filepath.Base(jobfile), err, errb.String())
+		return nil, 0, fmt.Errorf("fio %s: %v: %s", filepath.Base(jobfile), err, errb.String())
 	}
+	cpu := (cmd.ProcessState.UserTime() + cmd.ProcessState.SystemTime()).Seconds()
 	b := out.Bytes()
 	if i := bytes.IndexByte(b, '{'); i > 0 {
 		b = b[i:] // the nbd engine prints a line before the JSON
 	}
 	var r fioResult
 	if err := json.Unmarshal(b, &r); err != nil {
-		return nil, fmt.Errorf("fio json: %w", err)
+		return nil, 0, fmt.Errorf("fio json: %w", err)
 	}
 	for _, j := range r.Jobs {
 		if j.Error != 0 {
-			return nil, fmt.Errorf("fio job error %d", j.Error)
+			return nil, 0, fmt.Errorf("fio job error %d", j.Error)
 		}
 	}
-	return &r, nil
+	return &r, cpu, nil
 }
 
 // cpuSeconds is utime+stime of pid (all its threads) from /proc/PID/stat;

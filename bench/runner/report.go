@@ -8,7 +8,7 @@ import (
 
 // cell is the median over rounds of one server on one job.
 type cell struct {
-	IOPS, MiBps, P99us, CPUusPerIO float64
+	IOPS, MiBps, P99us, CPUusPerIO, ClientCPUusPerIO float64
 }
 
 type jobSummary struct {
@@ -18,6 +18,9 @@ type jobSummary struct {
 	// server CPU per I/O (lower is better).
 	IOPSRatio float64 `json:"iops_ratio"`
 	CPURatio  float64 `json:"cpu_per_io_ratio"`
+	// TotalCPURatio compares fio+server CPU per I/O: the whole cost on
+	// the client machine, whichever process pays it.
+	TotalCPURatio float64 `json:"total_cpu_per_io_ratio"`
 }
 
 type report struct {
@@ -49,14 +52,15 @@ func summarize(samples []sample, jobs []string, servers []server, baseline, subj
 	for _, job := range jobs {
 		js := jobSummary{Job: job, Servers: map[string]cell{}}
 		for _, srv := range r.Servers {
-			var iops, mib, p99, cpu []float64
+			var iops, mib, p99, cpu, client []float64
 			for _, s := range samples {
 				if s.Job == job && s.Server == srv {
 					iops, mib = append(iops, s.IOPS), append(mib, s.MiBps)
 					p99, cpu = append(p99, s.P99us), append(cpu, s.CPUusPerIO)
+					client = append(client, s.ClientCPUusPerIO)
 				}
 			}
-			js.Servers[srv] = cell{median(iops), median(mib), median(p99), median(cpu)}
+			js.Servers[srv] = cell{median(iops), median(mib), median(p99), median(cpu), median(client)}
 		}
 		b, s := js.Servers[baseline], js.Servers[subject]
 		if b.IOPS > 0 {
@@ -64,6 +68,9 @@ func summarize(samples []sample, jobs []string, servers []server, baseline, subj
 		}
 		if b.CPUusPerIO > 0 {
 			js.CPURatio = s.CPUusPerIO / b.CPUusPerIO
+		}
+		if bt := b.CPUusPerIO + b.ClientCPUusPerIO; bt > 0 && b.ClientCPUusPerIO > 0 {
+			js.TotalCPURatio = (s.CPUusPerIO + s.ClientCPUusPerIO) / bt
 		}
 		r.Jobs = append(r.Jobs, js)
 	}
@@ -74,14 +81,17 @@ func markdown(r report, title string, runtime, rounds int) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "# Benchmark\n\n%s; %d s per job, median of %d rounds (order alternating). "+
 		"Ratios: %s ÷ %s.\n\n", title, runtime, rounds, r.Subject, r.Baseline)
-	b.WriteString("| job | server | IOPS | MiB/s | p99 µs | server CPU µs/IO |\n|---|---|---:|---:|---:|---:|\n")
+	b.WriteString("| job | server | IOPS | MiB/s | p99 µs | server CPU µs/IO | fio CPU µs/IO | fio+server µs/IO |\n" +
+		"|---|---|---:|---:|---:|---:|---:|---:|\n")
 	for _, j := range r.Jobs {
 		for _, srv := range r.Servers {
 			c := j.Servers[srv]
-			fmt.Fprintf(&b, "| %s | %s | %.0f | %.1f | %.0f | %.2f |\n", j.Job, srv, c.IOPS, c.MiBps, c.P99us, c.CPUusPerIO)
+			fmt.Fprintf(&b, "| %s | %s | %.0f | %.1f | %.0f | %.2f | %.2f | %.2f |\n", j.Job, srv, c.IOPS, c.MiBps,
+				c.P99us, c.CPUusPerIO, c.ClientCPUusPerIO, c.CPUusPerIO+c.ClientCPUusPerIO)
 		}
 	}
-	b.WriteString("\n## Ratios and targets\n\n| job | IOPS ratio | CPU/IO ratio | target | others' IOPS ratios |\n|---|---:|---:|---|---|\n")
+	b.WriteString("\n## Ratios and targets\n\n| job | IOPS ratio | CPU/IO ratio | fio+server CPU/IO ratio | target | others' IOPS ratios |\n" +
+		"|---|---:|---:|---:|---|---|\n")
 	for _, j := range r.Jobs {
 		verdict := "—"
 		if t, ok := r.Targets[j.Job]; ok {
@@ -105,7 +115,12 @@ func markdown(r report, title string, runtime, rounds int) string {
 				}
 			}
 		}
-		fmt.Fprintf(&b, "| %s | %.2f× | %s | %s | %s |\n", j.Job, j.IOPSRatio, cpu, verdict, strings.Join(others, ", "))
+		total := "—"
+		if j.TotalCPURatio > 0 {
+			total = fmt.Sprintf("%.2f×", j.TotalCPURatio)
+		}
+		fmt.Fprintf(&b, "| %s | %.2f× | %s | %s | %s | %s |\n", j.Job, j.IOPSRatio, cpu, total, verdict,
+			strings.Join(others, ", "))
 	}
 	return b.String()
 }

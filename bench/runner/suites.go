@@ -101,7 +101,7 @@ func rbdSuite(bin, altBin string) *suite {
 		}
 		// Fill the image once so reads hit real objects.
 		fillEnv := append(env, "SIZE="+size)
-		if _, err := fio(fillEnv, st.servers[0].fio(""), filepath.Join(st.jobsDir, "prefill.fio"), 600); err != nil {
+		if _, _, err := fio(fillEnv, st.servers[0].fio(""), filepath.Join(st.jobsDir, "prefill.fio"), 600); err != nil {
 			return nil, fmt.Errorf("prefill: %w", err)
 		}
 		return env, nil
