@@ -259,7 +259,7 @@ scenario_g() { # quiesce: snapshot freezes and thaws the filesystem
 	check "unmap" $B unmap "$dev"
 }
 
-scenario_h() { # the ioctl fallback (forced: this kernel has netlink)
+scenario_h() { # the ioctl fallback: forced, then chosen by itself in a netns without the nbd genl family
 	pkill -f "$B daemon"; sleep 0.5
 	local dev
 	check "map through ioctls" eval 'dev=$(RBD_NBD_GO_KERNEL_INTERFACE=ioctl $B map --connections 2 mem:128M) && [ -b "$dev" ]'
@@ -276,8 +276,13 @@ scenario_h() { # the ioctl fallback (forced: this kernel has netlink)
 	check "fio verify" fio_verify "$dev" 32M
 	check "unmap" $B unmap "$dev"
 	check "device released" eval '[ ! -e /sys/block/${dev#/dev/}/pid ]'
+	pkill -f "$B daemon"; sleep 0.5
+	# The fallback chosen by itself: the kernel's nbd genl family is not
+	# netns-aware, so a daemon started in a new network namespace finds
+	# none, as on a kernel without it.
+	check "map from a netns without the nbd genl family" eval 'dev=$(unshare -n $B map mem:64M) && [ -b "$dev" ]'
+	check "the daemon chose ioctl by itself" eval 'tail -3 /run/rbd-nbd-go/daemon.log > $work/dl && grep -q "kernel=ioctl" $work/dl'
 	# Disconnected by another tool, an ioctl device is released too.
-	check "map through ioctls again" eval 'dev=$(RBD_NBD_GO_KERNEL_INTERFACE=ioctl $B map mem:64M) && [ -b "$dev" ]'
 	check "Ceph's rbd-nbd unmaps it" rbd-nbd unmap "$dev"
 	check "the daemon releases it" eval 'for i in $(seq 40); do [ "$($B list-mapped --format json)" = "[]" ] && break; sleep 0.25; done; no_devices'
 	pkill -f "$B daemon"; sleep 0.5
