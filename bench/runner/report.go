@@ -21,6 +21,10 @@ type jobSummary struct {
 	// TotalCPURatio compares fio+server CPU per I/O: the whole cost on
 	// the client machine, whichever process pays it.
 	TotalCPURatio float64 `json:"total_cpu_per_io_ratio"`
+	// RoundRatios are the subject's IOPS over the baseline's in each
+	// round (the two ran minutes apart at most): their spread is the
+	// box's noise, shown beside the ratio of medians.
+	RoundRatios []float64 `json:"round_iops_ratios"`
 }
 
 type report struct {
@@ -62,6 +66,7 @@ func summarize(samples []sample, jobs []string, servers []server, baseline, subj
 			}
 			js.Servers[srv] = cell{median(iops), median(mib), median(p99), median(cpu), median(client)}
 		}
+		js.RoundRatios = roundRatios(samples, job, baseline, subject)
 		b, s := js.Servers[baseline], js.Servers[subject]
 		if b.IOPS > 0 {
 			js.IOPSRatio = s.IOPS / b.IOPS
@@ -75,6 +80,23 @@ func summarize(samples []sample, jobs []string, servers []server, baseline, subj
 		r.Jobs = append(r.Jobs, js)
 	}
 	return r
+}
+
+// roundRatios pairs subject and baseline samples of job by round.
+func roundRatios(samples []sample, job, baseline, subject string) []float64 {
+	base := map[int]float64{}
+	for _, s := range samples {
+		if s.Job == job && s.Server == baseline && s.IOPS > 0 {
+			base[s.Round] = s.IOPS
+		}
+	}
+	var out []float64
+	for _, s := range samples {
+		if b, ok := base[s.Round]; ok && s.Job == job && s.Server == subject {
+			out = append(out, s.IOPS/b)
+		}
+	}
+	return out
 }
 
 func markdown(r report, title string, runtime, rounds int) string {
@@ -119,7 +141,11 @@ func markdown(r report, title string, runtime, rounds int) string {
 		if j.TotalCPURatio > 0 {
 			total = fmt.Sprintf("%.2f×", j.TotalCPURatio)
 		}
-		fmt.Fprintf(&b, "| %s | %.2f× | %s | %s | %s | %s |\n", j.Job, j.IOPSRatio, cpu, total, verdict,
+		ratio := fmt.Sprintf("%.2f×", j.IOPSRatio)
+		if len(j.RoundRatios) > 1 {
+			ratio += fmt.Sprintf(" (rounds %.2f–%.2f)", slices.Min(j.RoundRatios), slices.Max(j.RoundRatios))
+		}
+		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s |\n", j.Job, ratio, cpu, total, verdict,
 			strings.Join(others, ", "))
 	}
 	return b.String()
