@@ -38,9 +38,9 @@ type OpenOptions struct {
 // completion is an index. Payload buffers are pinned while librbd holds
 // them: librbd reads into and writes from the NBD layer's own buffers,
 // with no copy in Go. Large reads on a connection are not even copied by
-// librbd: they are lent from its own buffers (lend.go). One goroutine, blocked on an eventfd librbd
-// signals, reaps completions in batches: no goroutine or thread per
-// request.
+// librbd: they are lent from its own buffers (lend.go). One goroutine,
+// blocked on an eventfd librbd signals, reaps completions in batches: no
+// goroutine or thread per request.
 type Image struct {
 	spec     ImageSpec
 	img      cImage
@@ -198,40 +198,46 @@ func (im *Image) Submit(r *nbd.Request) {
 		go im.blockStatus(r)
 		return
 	}
-	tag, cs := im.take(r)
-	var op, zf int
-	switch r.Op {
-	case nbd.OpRead:
-		if r.Length >= lendMin && im.img.view != nil && r.CanLend() {
-			if err := im.img.aioReadLend(r.Offset, uint64(r.Length), cs); err != nil {
-				im.finish(tag, -int64(err.(syscall.Errno)), nil)
-			}
-			return
-		}
-		op = aioRead
-	case nbd.OpWrite:
-		op = aioWrite
-	case nbd.OpFlush:
-		op = aioFlush
-	case nbd.OpTrim:
-		op = aioDiscard
-	case nbd.OpWriteZeroes:
-		op = aioZeroes
-		if r.Flags&nbd.ReqNoHole != 0 {
-			zf = zeroThick
-		}
-	default:
-		im.finish(tag, -int64(syscall.EINVAL), nil)
-		return
+	lend := r.Op == nbd.OpRead && r.Length >= lendMin && im.img.view != nil && r.CanLend()
+	tag, cs := im.take(r, !lend)
+	var err error
+	if lend {
+		err = im.img.aioReadLend(r.Offset, uint64(r.Length), cs)
+	} else if op, zf, ok := aioOp(r); ok {
+		err = im.img.aio(op, r.Offset, uint64(r.Length), r.Data, zf, cs)
+	} else {
+		err = syscall.EINVAL
 	}
-	if err := im.img.aio(op, r.Offset, uint64(r.Length), r.Data, zf, cs); err != nil {
+	if err != nil {
 		im.finish(tag, -int64(err.(syscall.Errno)), nil)
 	}
 }
 
-// take assigns r a slot. Slot fields change only under im.mu: the reaper
-// reads them after a hand-over through librbd that Go cannot see.
-func (im *Image) take(r *nbd.Request) (uint32, cSlot) {
+// aioOp is the C layer's operation (and write-zeroes flags) for r.
+func aioOp(r *nbd.Request) (op, zeroFlags int, ok bool) {
+	switch r.Op {
+	case nbd.OpRead:
+		return aioRead, 0, true
+	case nbd.OpWrite:
+		return aioWrite, 0, true
+	case nbd.OpFlush:
+		return aioFlush, 0, true
+	case nbd.OpTrim:
+		return aioDiscard, 0, true
+	case nbd.OpWriteZeroes:
+		if r.Flags&nbd.ReqNoHole != 0 {
+			return aioZeroes, zeroThick, true
+		}
+		return aioZeroes, 0, true
+	}
+	return 0, 0, false
+}
+
+// take assigns r a slot, pinning r.Data if librbd is to use it (a lent
+// read's data never passes through r.Data). Slot fields change only under
+// im.mu: the reaper reads them after a hand-over through librbd that Go
+// cannot see.
+func (im *Image) take(r *nbd.Request, pin bool) (uint32, cSlot) {
 	im.mu.Lock()
 	defer im.mu.Unlock()
 	if len(im.free) == 0 {
@@ -245,7 +251,7 @@ func (im *Image) take(r *nbd.Request) (uint32, cSlot) {
 	s := im.slots[tag]
 	s.r = r
 	s.fua = r.Flags&nbd.ReqFUA != 0
-	if len(r.Data) > 0 {
+	if pin && len(r.Data) > 0 {
 		s.pin.Pin(&r.Data[0])
 	}
 	return tag, s.c

@@ -74,8 +74,8 @@ func summarize(samples []sample, jobs []string, servers []server, baseline, subj
 		if b.CPUusPerIO > 0 {
 			js.CPURatio = s.CPUusPerIO / b.CPUusPerIO
 		}
-		if bt := b.CPUusPerIO + b.ClientCPUusPerIO; bt > 0 && b.ClientCPUusPerIO > 0 {
-			js.TotalCPURatio = (s.CPUusPerIO + s.ClientCPUusPerIO) / bt
+		if b.ClientCPUusPerIO > 0 {
+			js.TotalCPURatio = (s.CPUusPerIO + s.ClientCPUusPerIO) / (b.CPUusPerIO + b.ClientCPUusPerIO)
 		}
 		r.Jobs = append(r.Jobs, js)
 	}
@@ -125,10 +125,6 @@ func markdown(r report, title string, runtime, rounds int) string {
 			}
 			verdict = map[bool]string{true: "met", false: "MISSED"}[met] + " (" + want + ")"
 		}
-		cpu := "—" // baseline without a server process of its own
-		if j.CPURatio > 0 {
-			cpu = fmt.Sprintf("%.2f×", j.CPURatio)
-		}
 		var others []string
 		if base := j.Servers[r.Baseline].IOPS; base > 0 {
 			for _, srv := range r.Servers {
@@ -137,18 +133,23 @@ func markdown(r report, title string, runtime, rounds int) string {
 				}
 			}
 		}
-		total := "—"
-		if j.TotalCPURatio > 0 {
-			total = fmt.Sprintf("%.2f×", j.TotalCPURatio)
-		}
 		ratio := fmt.Sprintf("%.2f×", j.IOPSRatio)
 		if len(j.RoundRatios) > 1 {
 			ratio += fmt.Sprintf(" (rounds %.2f–%.2f)", slices.Min(j.RoundRatios), slices.Max(j.RoundRatios))
 		}
-		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s |\n", j.Job, ratio, cpu, total, verdict,
-			strings.Join(others, ", "))
+		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s |\n", j.Job, ratio, ratioCell(j.CPURatio),
+			ratioCell(j.TotalCPURatio), verdict, strings.Join(others, ", "))
 	}
 	return b.String()
+}
+
+// ratioCell prints a CPU ratio, or a dash where there is none (a
+// baseline without a server process, or without fio's CPU measured).
+func ratioCell(v float64) string {
+	if v > 0 {
+		return fmt.Sprintf("%.2f×", v)
+	}
+	return "—"
 }
 
 // chart draws two panels of grouped bars: IOPS and server CPU per I/O,
