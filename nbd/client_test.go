@@ -2,6 +2,7 @@ package nbd
 
 import (
 	"bufio"
+	"context"
 	"encoding/binary"
 	"io"
 	"net"
@@ -62,6 +63,27 @@ func connect(t testing.TB, s *Server) *tclient {
 	t.Cleanup(func() { b.Close() })
 	b.SetDeadline(time.Now().Add(20 * time.Second))
 	return c
+}
+
+// dialTest connects a client to s, over TCP or (connect) a socketpair,
+// and shuts s down at the end of the test.
+func dialTest(t testing.TB, s *Server, tcp bool) *tclient {
+	t.Helper()
+	t.Cleanup(func() { s.Shutdown(context.Background()) })
+	if !tcp {
+		return connect(t, s)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go s.Serve(ln)
+	nc, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { nc.Close() })
+	return &tclient{t: t, c: nc, br: bufio.NewReader(nc)}
 }
 
 func (c *tclient) read(n int) []byte {

@@ -1,11 +1,9 @@
 package nbd
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"errors"
-	"net"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -211,23 +209,4 @@ func TestNoLoansOutsideConnections(t *testing.T) {
 	if l.lent.Load() != 0 || !bytes.Equal(r.Data, pattern(1<<20, 0)[:4096]) {
 		t.Fatal("a loan went to a request outside a connection")
 	}
-}
-
-func dialTest(t *testing.T, s *Server, tcp bool) *tclient {
-	t.Helper()
-	t.Cleanup(func() { s.Shutdown(context.Background()) })
-	if !tcp {
-		return connect(t, s)
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	go s.Serve(ln)
-	nc, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { nc.Close() })
-	return &tclient{t: t, c: nc, br: bufio.NewReader(nc)}
 }

@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"bytes"
 	"context"
-	"net"
 	"testing"
 	"time"
 )
@@ -70,23 +69,7 @@ func TestZeroCopyOnlyWhereSafe(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			s := NewServer(Config{ZeroCopy: tc.mode})
 			s.AddExport(Export{Backend: Inline(dev)})
-			t.Cleanup(func() { s.Shutdown(context.Background()) })
-			var c *tclient
-			if tc.tcp {
-				l, err := net.Listen("tcp", "127.0.0.1:0")
-				if err != nil {
-					t.Fatal(err)
-				}
-				go s.Serve(l)
-				nc, err := net.Dial("tcp", l.Addr().String())
-				if err != nil {
-					t.Fatal(err)
-				}
-				t.Cleanup(func() { nc.Close() })
-				c = &tclient{t: t, c: nc, br: bufio.NewReader(nc)}
-			} else {
-				c = connect(t, s)
-			}
+			c := dialTest(t, s, tc.tcp)
 			c.c.SetDeadline(time.Now().Add(30 * time.Second))
 			c.open("", false)
 			c.send(cmdRead, 0, 1, 0, 1<<20, nil)
