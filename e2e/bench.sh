@@ -5,7 +5,9 @@
 # ratios. Also times `map` for both.
 #   e2e/bench.sh OUTDIR      (env: BENCH_RUNTIME seconds per job, BENCH_ROUNDS,
 #   BENCH_JOBS names to run (default all), BENCH_CONTENDERS (default
-#   "ours ours1 ceph"; "alt" is rbd-nbd-go built from BENCH_ALT_BIN, run with
+#   "ours ours1 ceph direct"; "direct" is fio's rbd engine on the same
+#   image: librbd with no NBD hop, the ceiling for any librbd-backed NBD
+#   server; "alt" is rbd-nbd-go built from BENCH_ALT_BIN, run with
 #   BENCH_ALT_ENV (VAR=VALUE ...) and BENCH_ALT_CLIENT_CONF (lines for
 #   a [client] section of its own ceph.conf), for A/B in one run))
 set -uo pipefail
@@ -40,8 +42,15 @@ unmap_ceph() { rbd-nbd unmap "$1"; sleep 1; }
 # Another build of rbd-nbd-go, with its own daemon and state.
 { cat "$CEPH_CONF"; printf '[client]\n%b\n' "${BENCH_ALT_CLIENT_CONF:-}"; } > "$work/alt.conf"
 alt() { env RBD_NBD_GO_STATE_DIR=/run/rbd-nbd-go-alt CEPH_CONF="$work/alt.conf" ${BENCH_ALT_ENV:-} "${BENCH_ALT_BIN:?}" "$@"; }
+# No device: fio drives librbd itself.
+map_direct() { echo librbd; }
+unmap_direct() { :; }
 map_alt() { alt --id admin -m "$mon" --keyfile="$work/admin.key" map rbd/bench --try-netlink --io-timeout=0; }
 unmap_alt() { alt unmap "$1"; }
+
+# nbd.ko, loaded by our daemon (the VM has no modprobe), for a run where
+# Ceph's rbd-nbd maps first.
+[ -e /dev/nbd0 ] || { d=$($B map mem:4M) && $B unmap "$d"; } || { echo "bench: cannot load nbd"; exit 1; }
 
 jobs="randread-4k-qd32:randread:4k:32 randwrite-4k-qd32:randwrite:4k:32 read-1m-qd8:read:1M:8 write-1m-qd8:write:1M:8"
 if [ -n "${BENCH_JOBS:-}" ]; then
@@ -49,18 +58,29 @@ if [ -n "${BENCH_JOBS:-}" ]; then
 	for j in $jobs; do [[ " $BENCH_JOBS " == *" ${j%%:*} "* ]] && sel="$sel $j"; done
 	jobs=$sel
 fi
-contenders=${BENCH_CONTENDERS:-ours ours1 ceph}
+contenders=${BENCH_CONTENDERS:-ours ours1 ceph direct}
 # CPU of the serving process (ours: the daemon; Ceph's: the pid the
-# kernel records for the device), librbd's threads included.
+# kernel records for the device), librbd's threads included; none for
+# direct, whose librbd runs inside fio.
 server_pid() {
 	case $1 in
+	direct) echo 0 ;;
 	ceph) cat /sys/block/nbd0/pid ;;
 	alt) cat /run/rbd-nbd-go-alt/daemon.lock ;;
 	*) cat /run/rbd-nbd-go/daemon.lock ;;
 	esac
 }
+# fio's own CPU (its job processes included), in seconds, into $1: for
+# direct that is all of librbd's work; for a device, the submitting side.
+fio_cpu() {
+	python3 -c 'import resource, subprocess, sys
+rc = subprocess.run(sys.argv[2:]).returncode
+u = resource.getrusage(resource.RUSAGE_CHILDREN)
+open(sys.argv[1], "w").write("%f" % (u.ru_utime + u.ru_stime))
+sys.exit(rc)' "$@"
+}
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
-echo "contender,job,round,iops,bw_kib,map_seconds,cpu_us_per_io" > "$out/results.csv"
+echo "contender,job,round,iops,bw_kib,map_seconds,cpu_us_per_io,fio_cpu_us_per_io" > "$out/results.csv"
 for r in $(seq 1 "$rounds"); do
 	order=$contenders; [ $((r % 2)) -eq 0 ] && order=$(echo "$contenders" | tr ' ' '\n' | tac | tr '\n' ' ')
 	for c in $order; do
@@ -71,19 +91,25 @@ for r in $(seq 1 "$rounds"); do
 		for j in $jobs; do
 			IFS=: read -r name rw bs qd <<<"$j"
 			spid=$(server_pid $c); t0=$(cpu_ticks "$spid")
-			fio --name="$name" --filename="$dev" --ioengine=libaio --direct=1 --rw="$rw" --bs="$bs" \
+			if [ "$c" = direct ]; then
+				target=(--ioengine=rbd --pool=rbd --rbdname=bench --clientname=admin)
+			else
+				target=(--filename="$dev" --ioengine=libaio --direct=1)
+			fi
+			fio_cpu "$work/fio.cpu" fio --name="$name" "${target[@]}" --rw="$rw" --bs="$bs" \
 				--iodepth="$qd" --size=1G --time_based --runtime="$runtime" --ramp_time=2 \
 				--output-format=json > "$work/fio.json" 2>/dev/null
 			t1=$(cpu_ticks "$spid")
-			python3 - "$work/fio.json" "$c" "$name" "$r" "$mt" "$((t1 - t0))" "$(getconf CLK_TCK)" "$runtime" >> "$out/results.csv" <<'PY'
+			python3 - "$work/fio.json" "$c" "$name" "$r" "$mt" "$((t1 - t0))" "$(getconf CLK_TCK)" "$runtime" "$(cat "$work/fio.cpu")" >> "$out/results.csv" <<'PY'
 import json, sys
 j = json.load(open(sys.argv[1]))["jobs"][0]
 d = j["read"] if j["read"]["io_bytes"] else j["write"]
-ticks, hz, runtime = int(sys.argv[6]), int(sys.argv[7]), int(sys.argv[8])
+ticks, hz, runtime, fio_s = int(sys.argv[6]), int(sys.argv[7]), int(sys.argv[8]), float(sys.argv[9])
 # CPU is sampled over ramp + runtime; scale I/O count to the same span.
 ios = d["iops"] * (runtime + 2)
 cpu = ticks * 1e6 / hz / ios if ios else 0
-print(f"{sys.argv[2]},{sys.argv[3]},{sys.argv[4]},{d['iops']:.0f},{d['bw']},{sys.argv[5]},{cpu:.0f}")
+fcpu = fio_s * 1e6 / ios if ios else 0
+print(f"{sys.argv[2]},{sys.argv[3]},{sys.argv[4]},{d['iops']:.0f},{d['bw']},{sys.argv[5]},{cpu:.0f},{fcpu:.0f}")
 PY
 			tail -1 "$out/results.csv"
 		done
@@ -93,18 +119,24 @@ done
 python3 - "$out/results.csv" > "$out/summary.txt" <<'PY'
 import csv, sys, statistics as st
 rows = list(csv.DictReader(open(sys.argv[1])))
-names = {"ours": "rbd-nbd-go", "ours1": "1 conn", "alt": "alt build", "ceph": "rbd-nbd"}
+names = {"ours": "rbd-nbd-go", "ours1": "1 conn", "alt": "alt build", "ceph": "rbd-nbd", "direct": "librbd direct"}
 seen = lambda k: list(dict.fromkeys(r[k] for r in rows))
 jobs, cs = seen("job"), [c for c in names if c in seen("contender")]
-med = lambda job, c, k: st.median(float(r[k]) for r in rows if r["job"] == job and r["contender"] == c)
-print("median IOPS (ratio to rbd-nbd) and server CPU us per I/O (ratio), %d rounds" % len(seen("round")))
-print(f"{'job':<18}" + "".join(f"{names[c]:>30}" for c in cs))
-for job in jobs:
-    b, cb = (med(job, "ceph", "iops"), med(job, "ceph", "cpu_us_per_io")) if "ceph" in cs else (0, 0)
-    cell = lambda c: (f"{med(job, c, 'iops'):.0f}" + (f" ({med(job, c, 'iops') / b:.2f}x)" if b else "")
-                      + f" {med(job, c, 'cpu_us_per_io'):.0f}us" + (f" ({med(job, c, 'cpu_us_per_io') / cb:.2f}x)" if cb else ""))
-    print(f"{job:<18}" + "".join(f"{cell(c):>30}" for c in cs))
-print("map time (median): " + ", ".join(f"{names[c]} {st.median(float(r['map_seconds']) for r in rows if r['contender'] == c):.2f}s" for c in cs))
+val = {"iops": lambda r: float(r["iops"]), "server": lambda r: float(r["cpu_us_per_io"]),
+       "total": lambda r: float(r["cpu_us_per_io"]) + float(r["fio_cpu_us_per_io"])}
+med = lambda job, c, k: st.median(val[k](r) for r in rows if r["job"] == job and r["contender"] == c)
+def table(k, title, unit, skip=()):
+    print(f"{title}, median of {len(seen('round'))} rounds (ratio to rbd-nbd)")
+    print(f"{'job':<18}" + "".join(f"{names[c]:>20}" for c in cs))
+    for job in jobs:
+        b = med(job, "ceph", k) if "ceph" in cs else 0
+        cell = lambda c: "-" if c in skip else f"{med(job, c, k):.0f}{unit}" + (f" ({med(job, c, k) / b:.2f}x)" if b else "")
+        print(f"{job:<18}" + "".join(f"{cell(c):>20}" for c in cs))
+    print()
+table("iops", "IOPS", "")
+table("server", "serving process CPU per I/O (librbd's threads included)", "us", skip=("direct",))
+table("total", "serving process + fio CPU per I/O (direct: fio, which runs librbd)", "us")
+print("map time (median): " + ", ".join(f"{names[c]} {st.median(float(r['map_seconds']) for r in rows if r['contender'] == c):.2f}s" for c in cs if c != "direct"))
 PY
 cat "$out/summary.txt"
 pkill -f "$B daemon"; [ -n "${BENCH_ALT_BIN:-}" ] && pkill -f "$BENCH_ALT_BIN daemon"; sleep 2
