@@ -51,6 +51,11 @@ type sample struct {
 	ClientCPUusPerIO float64 `json:"client_cpu_us_per_io"`
 	IOs              int64   `json:"ios"`
 	CPUSec           float64 `json:"server_cpu_s"`
+	// The whole box's CPU per I/O (fio, server, OSD, monitor, the
+	// kernel's softirqs) and how busy its CPUs were: when they are all
+	// busy, IOPS can only rise as this falls, whichever process pays.
+	BoxCPUusPerIO float64 `json:"box_cpu_us_per_io"`
+	BoxBusy       float64 `json:"box_busy"`
 }
 
 func main() {
@@ -219,11 +224,19 @@ func runOne(tmp string, env []string, jobsDir, job string, srv server, size stri
 	if err != nil {
 		return sample{}, err
 	}
+	box0, err := boxCPU()
+	if err != nil {
+		return sample{}, err
+	}
 	res, clientCPU, err := fio(env, engine, filepath.Join(jobsDir, job+".fio"), runtime*5+60)
 	if err != nil {
 		return sample{}, err
 	}
 	cpu1, err := cpuSeconds(pid)
+	if err != nil {
+		return sample{}, err
+	}
+	box1, err := boxCPU()
 	if err != nil {
 		return sample{}, err
 	}
@@ -239,6 +252,10 @@ func runOne(tmp string, env []string, jobsDir, job string, srv server, size stri
 	if s.IOs > 0 {
 		s.CPUusPerIO = s.CPUSec * 1e6 / float64(s.IOs)
 		s.ClientCPUusPerIO = clientCPU * 1e6 / float64(s.IOs)
+		s.BoxCPUusPerIO = (box1.busy - box0.busy) * 1e6 / float64(s.IOs)
+	}
+	if all := box1.all - box0.all; all > 0 {
+		s.BoxBusy = (box1.busy - box0.busy) / all
 	}
 	return s, nil
 }
@@ -329,4 +346,30 @@ func cpuSeconds(pid int) (float64, error) {
 	ut, _ := strconv.ParseFloat(f[11], 64)
 	st, _ := strconv.ParseFloat(f[12], 64)
 	return (ut + st) / 100, nil // USER_HZ is 100 on Linux
+}
+
+// cpuTimes is the box's CPU time in seconds summed over all CPUs: busy
+// (user, nice, system, irq, softirq, steal) and all (busy, idle, iowait).
+type cpuTimes struct{ busy, all float64 }
+
+// boxCPU reads the aggregate "cpu" line of /proc/stat (in USER_HZ = 100
+// ticks per second on Linux).
+func boxCPU() (cpuTimes, error) {
+	b, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return cpuTimes{}, err
+	}
+	line, _, _ := strings.Cut(string(b), "\n")
+	f := strings.Fields(line)
+	if len(f) < 9 || f[0] != "cpu" {
+		return cpuTimes{}, fmt.Errorf("/proc/stat: unexpected first line %q", line)
+	}
+	var t [8]float64
+	for i := range t {
+		if t[i], err = strconv.ParseFloat(f[i+1], 64); err != nil {
+			return cpuTimes{}, fmt.Errorf("/proc/stat: %w", err)
+		}
+	}
+	busy := t[0] + t[1] + t[2] + t[5] + t[6] + t[7]
+	return cpuTimes{busy: busy / 100, all: (busy + t[3] + t[4]) / 100}, nil
 }

@@ -9,6 +9,7 @@ import (
 // cell is the median over rounds of one server on one job.
 type cell struct {
 	IOPS, MiBps, P99us, CPUusPerIO, ClientCPUusPerIO float64
+	BoxCPUusPerIO, BoxBusy                           float64
 }
 
 type jobSummary struct {
@@ -21,6 +22,9 @@ type jobSummary struct {
 	// TotalCPURatio compares fio+server CPU per I/O: the whole cost on
 	// the client machine, whichever process pays it.
 	TotalCPURatio float64 `json:"total_cpu_per_io_ratio"`
+	// BoxCPURatio compares the whole box's CPU per I/O (the OSD's
+	// included): with the box saturated, IOPS ratio ≈ 1 / BoxCPURatio.
+	BoxCPURatio float64 `json:"box_cpu_per_io_ratio"`
 	// RoundRatios are the subject's IOPS over the baseline's in each
 	// round (the two ran minutes apart at most): their spread is the
 	// box's noise, shown beside the ratio of medians.
@@ -56,15 +60,17 @@ func summarize(samples []sample, jobs []string, servers []server, baseline, subj
 	for _, job := range jobs {
 		js := jobSummary{Job: job, Servers: map[string]cell{}}
 		for _, srv := range r.Servers {
-			var iops, mib, p99, cpu, client []float64
+			var iops, mib, p99, cpu, client, box, busy []float64
 			for _, s := range samples {
 				if s.Job == job && s.Server == srv {
 					iops, mib = append(iops, s.IOPS), append(mib, s.MiBps)
 					p99, cpu = append(p99, s.P99us), append(cpu, s.CPUusPerIO)
 					client = append(client, s.ClientCPUusPerIO)
+					box, busy = append(box, s.BoxCPUusPerIO), append(busy, s.BoxBusy)
 				}
 			}
-			js.Servers[srv] = cell{median(iops), median(mib), median(p99), median(cpu), median(client)}
+			js.Servers[srv] = cell{median(iops), median(mib), median(p99), median(cpu), median(client),
+				median(box), median(busy)}
 		}
 		js.RoundRatios = roundRatios(samples, job, baseline, subject)
 		b, s := js.Servers[baseline], js.Servers[subject]
@@ -76,6 +82,9 @@ func summarize(samples []sample, jobs []string, servers []server, baseline, subj
 		}
 		if b.ClientCPUusPerIO > 0 {
 			js.TotalCPURatio = (s.CPUusPerIO + s.ClientCPUusPerIO) / (b.CPUusPerIO + b.ClientCPUusPerIO)
+		}
+		if b.BoxCPUusPerIO > 0 {
+			js.BoxCPURatio = s.BoxCPUusPerIO / b.BoxCPUusPerIO
 		}
 		r.Jobs = append(r.Jobs, js)
 	}
@@ -103,17 +112,17 @@ func markdown(r report, title string, runtime, rounds int) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "# Benchmark\n\n%s; %d s per job, median of %d rounds (order alternating). "+
 		"Ratios: %s ÷ %s.\n\n", title, runtime, rounds, r.Subject, r.Baseline)
-	b.WriteString("| job | server | IOPS | MiB/s | p99 µs | server CPU µs/IO | fio CPU µs/IO | fio+server µs/IO |\n" +
-		"|---|---|---:|---:|---:|---:|---:|---:|\n")
+	b.WriteString("| job | server | IOPS | MiB/s | p99 µs | server CPU µs/IO | fio CPU µs/IO | fio+server µs/IO | box CPU µs/IO | box busy |\n" +
+		"|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 	for _, j := range r.Jobs {
 		for _, srv := range r.Servers {
 			c := j.Servers[srv]
-			fmt.Fprintf(&b, "| %s | %s | %.0f | %.1f | %.0f | %.2f | %.2f | %.2f |\n", j.Job, srv, c.IOPS, c.MiBps,
-				c.P99us, c.CPUusPerIO, c.ClientCPUusPerIO, c.CPUusPerIO+c.ClientCPUusPerIO)
+			fmt.Fprintf(&b, "| %s | %s | %.0f | %.1f | %.0f | %.2f | %.2f | %.2f | %s |\n", j.Job, srv, c.IOPS, c.MiBps,
+				c.P99us, c.CPUusPerIO, c.ClientCPUusPerIO, c.CPUusPerIO+c.ClientCPUusPerIO, boxCells(c))
 		}
 	}
-	b.WriteString("\n## Ratios and targets\n\n| job | IOPS ratio | CPU/IO ratio | fio+server CPU/IO ratio | target | others' IOPS ratios |\n" +
-		"|---|---:|---:|---:|---|---|\n")
+	b.WriteString("\n## Ratios and targets\n\n| job | IOPS ratio | CPU/IO ratio | fio+server CPU/IO ratio | box CPU/IO ratio | target | others' IOPS ratios |\n" +
+		"|---|---:|---:|---:|---:|---|---|\n")
 	for _, j := range r.Jobs {
 		verdict := "—"
 		if t, ok := r.Targets[j.Job]; ok {
@@ -137,10 +146,19 @@ func markdown(r report, title string, runtime, rounds int) string {
 		if len(j.RoundRatios) > 1 {
 			ratio += fmt.Sprintf(" (rounds %.2f–%.2f)", slices.Min(j.RoundRatios), slices.Max(j.RoundRatios))
 		}
-		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s |\n", j.Job, ratio, ratioCell(j.CPURatio),
-			ratioCell(j.TotalCPURatio), verdict, strings.Join(others, ", "))
+		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s | %s |\n", j.Job, ratio, ratioCell(j.CPURatio),
+			ratioCell(j.TotalCPURatio), ratioCell(j.BoxCPURatio), verdict, strings.Join(others, ", "))
 	}
 	return b.String()
+}
+
+// boxCells prints the box's CPU per I/O and busy share, or dashes for a
+// run saved before they were measured.
+func boxCells(c cell) string {
+	if c.BoxCPUusPerIO == 0 {
+		return "— | —"
+	}
+	return fmt.Sprintf("%.2f | %.0f%%", c.BoxCPUusPerIO, 100*c.BoxBusy)
 }
 
 // ratioCell prints a CPU ratio, or a dash where there is none (a
