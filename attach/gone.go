@@ -2,9 +2,7 @@ package attach
 
 import (
 	"errors"
-	"fmt"
 	"os"
-	"path/filepath"
 	"strings"
 	"time"
 )
@@ -72,7 +70,7 @@ func (m *Manager) kernelLost(rec Record) bool {
 	if !st.Connected {
 		return true
 	}
-	b, err := os.ReadFile(filepath.Join(m.cfg.SysBlock, fmt.Sprintf("nbd%d", rec.Index), "backend"))
+	b, err := os.ReadFile(m.sysfs(rec.Index, "backend"))
 	id := strings.TrimSpace(string(b))
 	return err == nil && id != "" && rec.Cookie != "" && id != rec.Cookie
 }

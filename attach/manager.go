@@ -195,13 +195,18 @@ func (m *Manager) Map(rec Record) (Record, error) {
 	return d.rec, nil
 }
 
+// sysfs is the path of a device's attribute under /sys/block/nbdN.
+func (m *Manager) sysfs(index int, attr ...string) string {
+	return filepath.Join(append([]string{m.cfg.SysBlock, fmt.Sprintf("nbd%d", index)}, attr...)...)
+}
+
 // tuneQueue raises max_sectors_kb so large I/O reaches us unsplit (the
 // kernel's default caps it at 1280 KiB; RBD objects are 4 MiB).
 func (m *Manager) tuneQueue(rec Record) {
 	if rec.MaxSectorsKB <= 0 {
 		return
 	}
-	q := filepath.Join(m.cfg.SysBlock, fmt.Sprintf("nbd%d", rec.Index), "queue")
+	q := m.sysfs(rec.Index, "queue")
 	want := rec.MaxSectorsKB
 	if b, err := os.ReadFile(filepath.Join(q, "max_hw_sectors_kb")); err == nil {
 		if hw, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && hw < want {
