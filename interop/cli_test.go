@@ -3,10 +3,10 @@ package interop
 import (
 	"bytes"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 )
 
 // TestCLIMisuse: every mistake gets one line on stderr and a non-zero exit.
@@ -30,7 +30,7 @@ func TestCLIMisuse(t *testing.T) {
 		{[]string{"frobnicate"}, "unknown command"},
 	}
 	for _, tc := range cases {
-		cmd := exec.Command(binary, tc.args...)
+		cmd := client(t, time.Minute, binary, tc.args...)
 		var stderr bytes.Buffer
 		cmd.Stderr = &stderr
 		err := cmd.Run()

@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestNbdinfoJSON(t *testing.T) {
@@ -183,7 +184,7 @@ func TestQemuIOAndImg(t *testing.T) {
 	run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", src, s.uri)
 	// compare must be able to fail: change one byte and expect exit 1.
 	run(t, "qemu-io", "-f", "raw", s.uri, "-c", "write -P 0x5a 12345 1")
-	if err := exec.Command("qemu-img", "compare", "-q", "-f", "raw", "-F", "raw", src, s.uri).Run(); err == nil {
+	if err := client(t, time.Minute, "qemu-img", "compare", "-q", "-f", "raw", "-F", "raw", src, s.uri).Run(); err == nil {
 		t.Fatal("qemu-img compare saw no difference after a write")
 	}
 }
@@ -255,7 +256,7 @@ func TestBlockDevice(t *testing.T) {
 	need(t, "losetup", "fio", "qemu-io")
 	img := filepath.Join(t.TempDir(), "backing")
 	run(t, "truncate", "-s", "64M", img)
-	cmd := exec.Command("losetup", "-f", "--show", img)
+	cmd := client(t, time.Minute, "losetup", "-f", "--show", img)
 	out, err := cmd.Output()
 	if err != nil {
 		t.Skipf("no loop device here: %v", err)

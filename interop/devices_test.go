@@ -8,12 +8,13 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 )
 
 // runCLI runs the binary with a private state directory.
 func runCLI(t *testing.T, state string, args ...string) (stdout, stderr string, code int) {
 	t.Helper()
-	cmd := exec.Command(binary, args...)
+	cmd := client(t, 2*time.Minute, binary, args...)
 	cmd.Env = append(os.Environ(), "RBD_NBD_GO_STATE_DIR="+state)
 	var o, e bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &o, &e

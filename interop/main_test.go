@@ -181,19 +181,52 @@ func (s *server) stop(t *testing.T) {
 // run executes a client and returns its stdout, failing on a non-zero exit.
 func run(t *testing.T, name string, args ...string) string {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, name, args...)
+	return runEnv(t, nil, name, args...)
+}
+
+// runEnv is run with an extra environment.
+func runEnv(t *testing.T, env []string, name string, args ...string) string {
+	t.Helper()
+	cmd := client(t, 3*time.Minute, name, args...)
 	// Files a client leaves behind (fio's verify state) go with the test.
 	cmd.Dir = t.TempDir()
+	// nbdsh and friends must find Debian's python3 with the nbd module.
+	cmd.Env = append(append(os.Environ(), "PATH=/usr/bin:"+os.Getenv("PATH")), env...)
 	var out, errb bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errb
-	// nbdsh and friends must find Debian's python3 with the nbd module.
-	cmd.Env = append(os.Environ(), "PATH=/usr/bin:"+os.Getenv("PATH"))
 	if err := cmd.Run(); err != nil {
 		t.Fatalf("%s %s: %v\nstdout: %s\nstderr: %s", name, strings.Join(args, " "), err, out.String(), errb.String())
 	}
 	return out.String()
+}
+
+// client is a command that cannot outlive its bound or its test. A plain
+// kill is not enough: fio forks its jobs, and a job left running keeps
+// stdout open, so Wait would block for good (a CI run once hung 30
+// minutes that way). The command gets its own process group, the bound
+// kills the whole group, and Wait stops waiting for pipes soon after.
+func client(t *testing.T, bound time.Duration, name string, args ...string) *exec.Cmd {
+	ctx, cancel := context.WithTimeout(context.Background(), bound)
+	t.Cleanup(cancel)
+	cmd := exec.CommandContext(ctx, name, args...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	cmd.Cancel = func() error { return syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL) }
+	cmd.WaitDelay = 5 * time.Second
+	return cmd
+}
+
+// TestClientBoundReachesForkedChildren: a bounded client whose forked
+// child holds stdout open still returns at the bound, not when the child
+// is done (the way fio's job processes once hung CI).
+func TestClientBoundReachesForkedChildren(t *testing.T) {
+	cmd := client(t, time.Second, "sh", "-c", "sleep 60 & sleep 60")
+	var out bytes.Buffer
+	cmd.Stdout = &out
+	start := time.Now()
+	err := cmd.Run()
+	if err == nil || time.Since(start) > 15*time.Second {
+		t.Fatalf("returned %v after %v", err, time.Since(start))
+	}
 }
 
 func randomFile(t *testing.T, size int) (string, [32]byte) {

@@ -2,10 +2,8 @@ package interop
 
 import (
 	"bytes"
-	"context"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -38,21 +36,6 @@ func rbdExport(t *testing.T, c *cephtest.Cluster, spec string) []byte {
 		t.Fatal(err)
 	}
 	return b
-}
-
-// runEnv is run with an extra environment.
-func runEnv(t *testing.T, env []string, name string, args ...string) string {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, name, args...)
-	cmd.Env = append(append(os.Environ(), "PATH=/usr/bin:"+os.Getenv("PATH")), env...)
-	var out, errb bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &errb
-	if err := cmd.Run(); err != nil {
-		t.Fatalf("%s %s: %v\nstdout: %s\nstderr: %s", name, strings.Join(args, " "), err, out.String(), errb.String())
-	}
-	return out.String()
 }
 
 // TestRBDDataPath: what fio, qemu-io and nbdcopy write through NBD is what
@@ -152,7 +135,7 @@ h.pread(4096, 0)
 	}
 	// --exclusive: a second holder fails in one clear line.
 	serveEnv(t, c.Env(), false, "--exclusive", img)
-	cmd := exec.Command(binary, "serve", "--socket", filepath.Join(t.TempDir(), "s"), "--exclusive", img)
+	cmd := client(t, time.Minute, binary, "serve", "--socket", filepath.Join(t.TempDir(), "s"), "--exclusive", img)
 	cmd.Env = c.Env()
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
@@ -170,7 +153,7 @@ func TestRBDResize(t *testing.T) {
 	img := newRBDImage(t, c, "8M")
 	s := serveEnv(t, c.Env(), false, img)
 	flag := filepath.Join(t.TempDir(), "resized")
-	old := exec.Command("nbdsh", "-u", s.uri, "-c", fmt.Sprintf(`
+	old := client(t, 2*time.Minute, "nbdsh", "-u", s.uri, "-c", fmt.Sprintf(`
 import os, time
 assert h.get_size() == 8 << 20
 open(%[1]q + ".ready", "w").close()
@@ -228,14 +211,13 @@ func TestRBDBadInput(t *testing.T) {
 	}
 	for _, tc := range cases {
 		args := append([]string{"serve", "--socket", filepath.Join(t.TempDir(), "s")}, tc.args...)
-		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-		cmd := exec.CommandContext(ctx, binary, args...)
+		cmd := client(t, time.Minute, binary, args...)
 		cmd.Env = c.Env()
 		var stderr bytes.Buffer
 		cmd.Stderr = &stderr
+		start := time.Now()
 		err := cmd.Run()
-		timedOut := ctx.Err() != nil
-		cancel()
+		timedOut := time.Since(start) >= time.Minute
 		msg := stderr.String()
 		if err == nil || timedOut || strings.Count(msg, "\n") != 1 || !strings.Contains(msg, tc.want) {
 			t.Errorf("%v: %v, stderr %q; want one line with %q", tc.args, err, msg, tc.want)
