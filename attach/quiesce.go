@@ -2,6 +2,7 @@ package attach
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -31,7 +32,15 @@ func RunQuiesceHook(rec Record, quiesce bool) (string, error) {
 	if rec.QuiesceHook != "" {
 		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 		defer cancel()
-		out, err := exec.CommandContext(ctx, rec.QuiesceHook, rec.Device(), verb).CombinedOutput()
+		cmd := exec.CommandContext(ctx, rec.QuiesceHook, rec.Device(), verb)
+		// A hook may leave a helper running that keeps its stdout open;
+		// librbd's snapshot waits on us, so stop reading soon after the
+		// hook itself exits and judge it by its exit status alone.
+		cmd.WaitDelay = 2 * time.Second
+		out, err := cmd.CombinedOutput()
+		if errors.Is(err, exec.ErrWaitDelay) {
+			err = nil
+		}
 		if err != nil {
 			err = fmt.Errorf("quiesce hook %s %s: %v: %s", rec.QuiesceHook, verb, err, strings.TrimSpace(string(out)))
 		}

@@ -5,6 +5,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestQuiesceHookGetsDeviceAndVerb(t *testing.T) {
@@ -26,5 +27,20 @@ func TestQuiesceHookGetsDeviceAndVerb(t *testing.T) {
 	os.WriteFile(filepath.Join(dir, "fail"), nil, 0o600)
 	if _, err := RunQuiesceHook(rec, true); err == nil || !strings.Contains(err.Error(), "quiesce hook") {
 		t.Fatalf("failing hook: %v", err)
+	}
+}
+
+// TestQuiesceHookLeavingAHelperRunning: a hook that exits 0 but leaves a
+// child holding its stdout counts as done when it exits, not when the
+// child does (librbd's snapshot is waiting).
+func TestQuiesceHookLeavingAHelperRunning(t *testing.T) {
+	hook := filepath.Join(t.TempDir(), "hook")
+	os.WriteFile(hook, []byte("#!/bin/sh\nsleep 60 &\necho started\n"), 0o755)
+	start := time.Now()
+	if _, err := RunQuiesceHook(Record{Index: 1, QuiesceHook: hook}, true); err != nil {
+		t.Fatal(err)
+	}
+	if d := time.Since(start); d > 20*time.Second {
+		t.Fatalf("hook took %v: waited for its helper", d)
 	}
 }
