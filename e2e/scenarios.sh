@@ -15,13 +15,18 @@ recap=() # every failed check, repeated at the end where a CI log's tail shows i
 
 log() { echo "e2e: $*"; }
 check() { # check DESCRIPTION COMMAND...: one assertion
-	local what=$1; shift
+	local what=$1 t0; shift
 	rm -f "$work/why"
-	if "$@"; then log "  ok   $what"; return; fi
+	t0=$(date +%s%N)
+	if "$@"; then log "  ok   $what ($(took "$t0"))"; return; fi
 	# The recap at the end is what a CI log's tail shows: keep the why.
 	local why=""
 	[ -s "$work/why" ] && why=" -- $(tr '\n' ' ' < "$work/why" | cut -c1-300)"
-	log "  FAIL $what$why"; fail_check "$what$why"
+	log "  FAIL $what ($(took "$t0"))$why"; fail_check "$what$why"
+}
+took() { # took T0NS: seconds since T0NS, to 0.1 s
+	local ms=$((($(date +%s%N) - $1) / 1000000))
+	printf '%d.%ds' $((ms / 1000)) $((ms % 1000 / 100))
 }
 fail_check() { scenario_failed=1; recap+=("$current: $1"); }
 run_scenario() {
@@ -242,6 +247,16 @@ scenario_f() { # bad input: clear errors, nothing left behind
 	check "map --exclusive" eval 'dev=$(csi_map rbd/vol-f f3 --exclusive) && rbd status rbd/vol-f | grep -q watcher='
 	check "Ceph's rbd-nbd unmaps it" rbd-nbd unmap "$dev"
 	check "the daemon releases it" eval 'for i in $(seq 40); do $B list-mapped | grep -q vol-f || break; sleep 0.25; done; ! $B list-mapped | grep -q vol-f'
+	check "and closes the image (no watcher)" eval 'rbd status rbd/vol-f > $work/st; cat $work/st > $work/why; grep -q "Watchers: none" $work/st'
+	check "nothing left behind" no_devices
+	# The same with the device mounted: the kernel keeps a disconnected
+	# device while its filesystem holds it, so I/O must fail (not hang),
+	# and the daemon lets go of the image once the filesystem lets go.
+	check "map --exclusive and mount" eval 'dev=$(csi_map rbd/vol-f f4 --exclusive) && mount $dev $work/mnt && echo a > $work/mnt/a && sync'
+	check "Ceph's rbd-nbd disconnects it while mounted" rbd-nbd unmap "$dev"
+	check "writes to the filesystem fail, not hang" eval 'timeout 60 sh -c "echo z > $work/mnt/z && sync -f $work/mnt/z"; rc=$?; echo "rc $rc" > $work/why; [ $rc -ne 0 ] && [ $rc -ne 124 ]'
+	umount "$work/mnt" 2>/dev/null
+	check "after umount the daemon releases it" eval 'for i in $(seq 80); do $B list-mapped | grep -q vol-f || break; sleep 0.25; done; ! $B list-mapped | grep -q vol-f'
 	check "and closes the image (no watcher)" eval 'rbd status rbd/vol-f > $work/st; cat $work/st > $work/why; grep -q "Watchers: none" $work/st'
 	check "nothing left behind" no_devices
 }
