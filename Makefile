@@ -25,9 +25,10 @@ lint:
 
 # Unit, fuzz-seed, interop and Ceph tests, with the race detector. Test
 # packages needing Ceph start their own dev cluster. Interop clients and
-# Ceph are required here: a missing one fails rather than skips.
+# Ceph are required here: a missing one fails rather than skips. The
+# packages take about a minute together; the timeout only caps a hang.
 test: deps lint build
-	RBD_NBD_GO_INTEROP=required RBD_NBD_GO_CEPH=required $(GO) test -race -count=1 -timeout 30m ./...
+	RBD_NBD_GO_INTEROP=required RBD_NBD_GO_CEPH=required $(GO) test -race -count=1 -timeout 12m ./...
 	$(MAKE) --no-print-directory e2e
 
 # The kernel path for real: the scenarios in e2e/scenarios.sh inside a qemu
