@@ -246,9 +246,7 @@ scenario_f() { # bad input: clear errors, nothing left behind
 	# Another tool disconnects a device: the daemon lets go of the image.
 	check "map --exclusive" eval 'dev=$(csi_map rbd/vol-f f3 --exclusive) && rbd status rbd/vol-f | grep -q watcher='
 	check "Ceph's rbd-nbd unmaps it" rbd-nbd unmap "$dev"
-	check "the daemon releases it" eval 'for i in $(seq 40); do $B list-mapped | grep -q vol-f || break; sleep 0.25; done; ! $B list-mapped | grep -q vol-f'
-	check "and closes the image (no watcher)" eval 'rbd status rbd/vol-f > $work/st; cat $work/st > $work/why; grep -q "Watchers: none" $work/st'
-	check "nothing left behind" no_devices
+	released "" vol-f
 	# The same with the device mounted: the kernel keeps a disconnected
 	# device while its filesystem holds it, so I/O must fail (not hang),
 	# and the daemon lets go of the image once the filesystem lets go.
@@ -256,8 +254,13 @@ scenario_f() { # bad input: clear errors, nothing left behind
 	check "Ceph's rbd-nbd disconnects it while mounted" rbd-nbd unmap "$dev"
 	check "writes to the filesystem fail, not hang" eval 'timeout 60 sh -c "echo z > $work/mnt/z && sync -f $work/mnt/z"; rc=$?; echo "rc $rc" > $work/why; [ $rc -ne 0 ] && [ $rc -ne 124 ]'
 	umount "$work/mnt" 2>/dev/null
-	check "after umount the daemon releases it" eval 'for i in $(seq 80); do $B list-mapped | grep -q vol-f || break; sleep 0.25; done; ! $B list-mapped | grep -q vol-f'
-	check "and closes the image (no watcher)" eval 'rbd status rbd/vol-f > $work/st; cat $work/st > $work/why; grep -q "Watchers: none" $work/st'
+	released "after umount " vol-f
+}
+
+released() { # released WHEN IMAGE: the daemon let go of rbd/IMAGE, which another tool disconnected
+	local img=$2
+	check "${1}the daemon releases it" eval 'for i in $(seq 80); do $B list-mapped | grep -q $img || break; sleep 0.25; done; ! $B list-mapped | grep -q $img'
+	check "and closes the image (no watcher)" eval 'rbd status rbd/$img > $work/st; cat $work/st > $work/why; grep -q "Watchers: none" $work/st'
 	check "nothing left behind" no_devices
 }
 

@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/rbd-nbd-go/rbd-nbd-go/internal/cephtest"
+	"github.com/rbd-nbd-go/rbd-nbd-go/internal/testcmd"
 )
 
 var binary string
@@ -200,33 +201,11 @@ func runEnv(t *testing.T, env []string, name string, args ...string) string {
 	return out.String()
 }
 
-// client is a command that cannot outlive its bound or its test. A plain
-// kill is not enough: fio forks its jobs, and a job left running keeps
-// stdout open, so Wait would block for good (a CI run once hung 30
-// minutes that way). The command gets its own process group, the bound
-// kills the whole group, and Wait stops waiting for pipes soon after.
+// client is a command that cannot outlive its bound or its test.
 func client(t *testing.T, bound time.Duration, name string, args ...string) *exec.Cmd {
 	ctx, cancel := context.WithTimeout(context.Background(), bound)
 	t.Cleanup(cancel)
-	cmd := exec.CommandContext(ctx, name, args...)
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	cmd.Cancel = func() error { return syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL) }
-	cmd.WaitDelay = 5 * time.Second
-	return cmd
-}
-
-// TestClientBoundReachesForkedChildren: a bounded client whose forked
-// child holds stdout open still returns at the bound, not when the child
-// is done (the way fio's job processes once hung CI).
-func TestClientBoundReachesForkedChildren(t *testing.T) {
-	cmd := client(t, time.Second, "sh", "-c", "sleep 60 & sleep 60")
-	var out bytes.Buffer
-	cmd.Stdout = &out
-	start := time.Now()
-	err := cmd.Run()
-	if err == nil || time.Since(start) > 15*time.Second {
-		t.Fatalf("returned %v after %v", err, time.Since(start))
-	}
+	return testcmd.Command(ctx, name, args...)
 }
 
 func randomFile(t *testing.T, size int) (string, [32]byte) {

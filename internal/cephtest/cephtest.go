@@ -13,6 +13,8 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/internal/testcmd"
 )
 
 // Cluster is a running dev cluster.
@@ -72,15 +74,13 @@ func (c *Cluster) Env() []string { return append(os.Environ(), "CEPH_CONF="+c.Co
 func (c *Cluster) run(timeout time.Duration, name string, args ...string) (string, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, name, args...)
+	// A daemon the script starts could inherit the output pipes.
+	cmd := testcmd.Command(ctx, name, args...)
 	if c.Conf != "" {
 		cmd.Env = c.Env()
 	}
 	var out, errb bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errb
-	// A daemon the script starts could inherit the output pipes; bound the
-	// wait for them so it cannot hang the test.
-	cmd.WaitDelay = 5 * time.Second
 	if err := cmd.Run(); err != nil {
 		return out.String(), fmt.Errorf("%s %s: %v: %s", name, strings.Join(args, " "), err, errb.String())
 	}
