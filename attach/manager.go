@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/rbd-nbd-go/rbd-nbd-go/backend"
+	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
 	"github.com/rbd-nbd-go/rbd-nbd-go/kernel"
 	"github.com/rbd-nbd-go/rbd-nbd-go/rbdio"
 )
@@ -384,7 +385,7 @@ func (m *Manager) Attach(rec Record) (Record, error) {
 
 func mergeAttach(cur, req Record) Record {
 	out := cur
-	if req.Ceph != (rbdio.Options{}) {
+	if req.Ceph != (ceph.Options{}) {
 		out.Ceph = req.Ceph
 	}
 	if req.Encryption.Format != "" {

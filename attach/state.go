@@ -10,7 +10,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/rbd-nbd-go/rbd-nbd-go/rbdio"
+	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
 )
 
 // Record is everything needed to serve a device again after a restart.
@@ -32,9 +32,9 @@ type Record struct {
 	ReattachTimeout time.Duration `json:"reattach_timeout"`
 	MaxSectorsKB    int           `json:"max_sectors_kb,omitempty"`
 
-	Ceph       rbdio.Options    `json:"ceph"`
-	Encryption rbdio.Encryption `json:"encryption,omitzero"`
-	Quiesce    bool             `json:"quiesce,omitempty"`
+	Ceph       ceph.Options    `json:"ceph"`
+	Encryption ceph.Encryption `json:"encryption,omitzero"`
+	Quiesce    bool            `json:"quiesce,omitempty"`
 	// QuiesceHook runs as HOOK DEVICE quiesce|unquiesce; empty means
 	// fsfreeze of the filesystem mounted on the device.
 	QuiesceHook string `json:"quiesce_hook,omitempty"`

@@ -12,6 +12,7 @@ import (
 
 	"github.com/rbd-nbd-go/rbd-nbd-go/backend/filedev"
 	"github.com/rbd-nbd-go/rbd-nbd-go/backend/mem"
+	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
 	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
 	"github.com/rbd-nbd-go/rbd-nbd-go/rbdio"
 )
@@ -20,14 +21,14 @@ import (
 type Options struct {
 	ReadOnly  bool
 	Exclusive bool // RBD only: take and keep the exclusive lock
-	Ceph      rbdio.Options
+	Ceph      ceph.Options
 	// Clusters shares RADOS connections between images; required for
 	// RBD specs.
 	Clusters *rbdio.Clusters
 	// OnResize is told the new size when the image grows or shrinks.
 	OnResize func(size uint64)
 	// Encryption and OnQuiesce apply to RBD images (see rbdio.OpenOptions).
-	Encryption rbdio.Encryption
+	Encryption ceph.Encryption
 	OnQuiesce  func(quiesce bool) error
 }
 
@@ -51,10 +52,10 @@ func (o *Opened) Close() error {
 // spec names (the CLI before it contacts the daemon, list-mapped, the
 // daemon matching targets) goes through ParseSpec.
 type Spec struct {
-	Kind  string          // rbd, rbd-sync, mem or file
-	Arg   string          // what follows "kind:"
-	Image rbdio.ImageSpec // for rbd and rbd-sync
-	Size  uint64          // for mem
+	Kind  string         // rbd, rbd-sync, mem or file
+	Arg   string         // what follows "kind:"
+	Image ceph.ImageSpec // for rbd and rbd-sync
+	Size  uint64         // for mem
 }
 
 // IsRBD reports whether the spec names an RBD image.
@@ -83,7 +84,7 @@ func ParseSpec(spec string) (Spec, error) {
 	var err error
 	switch kind {
 	case "rbd", "rbd-sync":
-		s.Image, err = rbdio.ParseImageSpec(arg)
+		s.Image, err = ceph.ParseImageSpec(arg)
 	case "mem":
 		if s.Size, err = ParseSize(arg); err != nil {
 			err = fmt.Errorf("bad spec %q: %w", spec, err)

@@ -3,74 +3,22 @@ package rbdio
 import (
 	"errors"
 	"fmt"
-	"log/slog"
 	"os"
 	"strconv"
 	"sync"
 	"syscall"
-	"time"
 
 	"github.com/ceph/go-ceph/rados"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
 )
-
-// Options are the usual Ceph client inputs, named as Ceph names them.
-// On the command line keys are only taken by file (keyring, keyfile),
-// never as values, so they cannot leak into argv. Key carries a secret
-// already read from a keyfile (the node daemon gets it over its 0600
-// control socket, because callers such as ceph-csi delete the keyfile
-// right after the map); String and LogValue never show it.
-type Options struct {
-	Conf    string `json:"conf,omitempty"`     // -c/--conf; default $CEPH_CONF, then Ceph's own search
-	MonHost string `json:"mon_host,omitempty"` // -m/--mon-host
-	ID      string `json:"id,omitempty"`       // --id: client name without "client.", default "admin"
-	Keyring string `json:"keyring,omitempty"`  // --keyring
-	Keyfile string `json:"keyfile,omitempty"`  // --keyfile: a file holding the bare secret
-	Key     string `json:"key,omitempty"`      // the bare secret itself
-	// OpTimeout bounds connecting and monitor operations (rados mon op
-	// timeout, client mount timeout); 0 means 30s, so a wrong address or
-	// a dead cluster is reported instead of hanging.
-	OpTimeout time.Duration `json:"op_timeout,omitempty"`
-	// OSDOpTimeout bounds each OSD operation (rados osd op timeout),
-	// which is every data-path I/O. 0, the default, waits as krbd does:
-	// a block device should ride out an OSD outage rather than fail I/O
-	// (the kernel's own --io-timeout decides), and an armed timer per op
-	// costs CPU on every request.
-	OSDOpTimeout time.Duration `json:"osd_op_timeout,omitempty"`
-}
-
-// String describes the identity without the secret.
-func (o Options) String() string {
-	key := ""
-	if o.Key != "" {
-		key = " key=<redacted>"
-	}
-	return fmt.Sprintf("client.%s mon_host=%q conf=%q keyring=%q keyfile=%q%s",
-		o.id(), o.MonHost, o.Conf, o.Keyring, o.Keyfile, key)
-}
-
-// LogValue keeps the secret out of structured logs.
-func (o Options) LogValue() slog.Value { return slog.StringValue(o.String()) }
-
-func (o Options) id() string {
-	if o.ID == "" {
-		return "admin"
-	}
-	return o.ID
-}
-
-func (o Options) timeout() time.Duration {
-	if o.OpTimeout <= 0 {
-		return 30 * time.Second
-	}
-	return o.OpTimeout
-}
 
 // Clusters shares one RADOS connection per cluster identity among every
 // image the process opens: one set of monitor sessions and messenger
 // threads per cluster, not per image as Ceph's rbd-nbd has it.
 type Clusters struct {
 	mu    sync.Mutex
-	conns map[Options]*clusterRef
+	conns map[ceph.Options]*clusterRef
 }
 
 type clusterRef struct {
@@ -78,10 +26,10 @@ type clusterRef struct {
 	refs int
 }
 
-func NewClusters() *Clusters { return &Clusters{conns: map[Options]*clusterRef{}} }
+func NewClusters() *Clusters { return &Clusters{conns: map[ceph.Options]*clusterRef{}} }
 
 // get returns a connected handle for o and a release function.
-func (c *Clusters) get(o Options) (*rados.Conn, func(), error) {
+func (c *Clusters) get(o ceph.Options) (*rados.Conn, func(), error) {
 	if o.Conf == "" {
 		o.Conf = os.Getenv("CEPH_CONF")
 	}
@@ -102,7 +50,7 @@ func (c *Clusters) get(o Options) (*rados.Conn, func(), error) {
 
 // ioctx opens spec's pool (and namespace) on the shared connection; the
 // release function destroys the ioctx and drops the connection reference.
-func (c *Clusters) ioctx(o Options, spec ImageSpec) (*rados.IOContext, func(), error) {
+func (c *Clusters) ioctx(o ceph.Options, spec ceph.ImageSpec) (*rados.IOContext, func(), error) {
 	conn, release, err := c.get(o)
 	if err != nil {
 		return nil, nil, err
@@ -119,7 +67,7 @@ func (c *Clusters) ioctx(o Options, spec ImageSpec) (*rados.IOContext, func(), e
 	return ioctx, func() { ioctx.Destroy(); release() }, nil
 }
 
-func (c *Clusters) releaser(o Options, ref *clusterRef) func() {
+func (c *Clusters) releaser(o ceph.Options, ref *clusterRef) func() {
 	var once sync.Once
 	return func() {
 		once.Do(func() {
@@ -133,8 +81,8 @@ func (c *Clusters) releaser(o Options, ref *clusterRef) func() {
 	}
 }
 
-func connect(o Options) (*rados.Conn, error) {
-	conn, err := rados.NewConnWithUser(o.id())
+func connect(o ceph.Options) (*rados.Conn, error) {
+	conn, err := rados.NewConnWithUser(o.User())
 	if err != nil {
 		return nil, fmt.Errorf("ceph client: %w", err)
 	}
@@ -149,7 +97,7 @@ func connect(o Options) (*rados.Conn, error) {
 	} else if err := conn.ReadDefaultConfigFile(); err != nil && o.MonHost == "" {
 		return fail(fmt.Errorf("no ceph config found (give -c or -m): %w", err))
 	}
-	secs := strconv.Itoa(int(o.timeout().Seconds()))
+	secs := strconv.Itoa(int(o.Timeout().Seconds()))
 	set := []struct{ k, v string }{
 		{"rados_osd_op_timeout", strconv.Itoa(int(o.OSDOpTimeout.Seconds()))},
 		{"rados_mon_op_timeout", secs},
@@ -187,14 +135,14 @@ func connect(o Options) (*rados.Conn, error) {
 
 // describeConnectError says what most likely went wrong, in one line,
 // without echoing any secret.
-func describeConnectError(o Options, err error) error {
-	who := "client." + o.id()
+func describeConnectError(o ceph.Options, err error) error {
+	who := "client." + o.User()
 	if code := cephErrno(err); code != 0 {
 		switch code {
 		case syscall.EACCES, syscall.EPERM:
 			return fmt.Errorf("connect to ceph as %s: permission denied (wrong key or keyring?)", who)
 		case syscall.ETIMEDOUT:
-			return fmt.Errorf("connect to ceph as %s: no monitor answered within %s", who, o.timeout())
+			return fmt.Errorf("connect to ceph as %s: no monitor answered within %s", who, o.Timeout())
 		case syscall.ENOENT:
 			return fmt.Errorf("connect to ceph as %s: no key found for this user (give --keyring or --keyfile)", who)
 		case syscall.EINVAL:

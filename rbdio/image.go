@@ -11,6 +11,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
 	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
 )
 
@@ -24,7 +25,7 @@ type OpenOptions struct {
 	// the new size after the image is resized.
 	OnResize func(size uint64)
 	// Encryption loads LUKS encryption right after opening.
-	Encryption Encryption
+	Encryption ceph.Encryption
 	// OnQuiesce, if set, is called with true when a snapshot is about to
 	// be taken (librbd's quiesce watch) and with false once it is taken.
 	// The snapshot waits for the first call; its error fails the snapshot.
@@ -42,7 +43,7 @@ type OpenOptions struct {
 // blocked on an eventfd librbd signals, reaps completions in batches: no
 // goroutine or thread per request.
 type Image struct {
-	spec     ImageSpec
+	spec     ceph.ImageSpec
 	img      cImage
 	readOnly bool
 	fastDiff bool
@@ -75,7 +76,7 @@ type slot struct {
 }
 
 // Open opens spec on the cluster described by o.
-func Open(clusters *Clusters, o Options, spec ImageSpec, oo OpenOptions) (*Image, error) {
+func Open(clusters *Clusters, o ceph.Options, spec ceph.ImageSpec, oo OpenOptions) (*Image, error) {
 	ioctx, release, err := clusters.ioctx(o, spec)
 	if err != nil {
 		return nil, err
@@ -157,8 +158,8 @@ func (im *Image) start(oo OpenOptions) error {
 	return nil
 }
 
-func (im *Image) Spec() ImageSpec { return im.spec }
-func (im *Image) Size() uint64    { return im.size.Load() }
+func (im *Image) Spec() ceph.ImageSpec { return im.spec }
+func (im *Image) Size() uint64         { return im.size.Load() }
 
 // Caps: everything librbd does natively. FUA is a write followed by a
 // flush of the image (librbd has no per-write durability flag), which

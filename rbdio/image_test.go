@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
 	"github.com/rbd-nbd-go/rbd-nbd-go/internal/cephtest"
 	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
 )
@@ -41,19 +42,19 @@ func needCluster(t testing.TB) *cephtest.Cluster {
 var imageSeq int
 
 // newImage creates a fresh image and returns its spec.
-func newImage(t testing.TB, size string) ImageSpec {
+func newImage(t testing.TB, size string) ceph.ImageSpec {
 	c := needCluster(t)
 	imageSeq++
 	name := fmt.Sprintf("t%d-%d", os.Getpid(), imageSeq)
 	if _, err := c.Rbd("create", "--size", size, "rbd/"+name); err != nil {
 		t.Fatal(err)
 	}
-	return ImageSpec{Pool: "rbd", Image: name}
+	return ceph.ImageSpec{Pool: "rbd", Image: name}
 }
 
-func opts() Options { return Options{Conf: cluster.Conf, OpTimeout: 20 * time.Second} }
+func opts() ceph.Options { return ceph.Options{Conf: cluster.Conf, OpTimeout: 20 * time.Second} }
 
-func open(t testing.TB, cl *Clusters, spec ImageSpec, oo OpenOptions) *Image {
+func open(t testing.TB, cl *Clusters, spec ceph.ImageSpec, oo OpenOptions) *Image {
 	t.Helper()
 	im, err := Open(cl, opts(), spec, oo)
 	if err != nil {
@@ -70,7 +71,7 @@ func do(t testing.TB, im *Image, op nbd.Op, flags nbd.ReqFlags, off uint64, data
 }
 
 // export reads the image back with the rbd tool: the ground truth.
-func export(t testing.TB, spec ImageSpec) []byte {
+func export(t testing.TB, spec ceph.ImageSpec) []byte {
 	t.Helper()
 	p := filepath.Join(t.TempDir(), "export")
 	if _, err := cluster.Rbd("export", spec.String(), p); err != nil {
@@ -83,7 +84,7 @@ func export(t testing.TB, spec ImageSpec) []byte {
 	return b
 }
 
-func usedBytes(t testing.TB, spec ImageSpec) string {
+func usedBytes(t testing.TB, spec ceph.ImageSpec) string {
 	out, err := cluster.Rbd("du", "--format", "json", spec.String())
 	if err != nil {
 		t.Fatal(err)
@@ -153,7 +154,7 @@ func TestReadOnlyAndSnapshot(t *testing.T) {
 	snap := spec
 	snap.Snap = "s1"
 	for _, c := range []struct {
-		spec ImageSpec
+		spec ceph.ImageSpec
 		ro   bool
 	}{{spec, true}, {snap, false}} {
 		im := open(t, cl, c.spec, OpenOptions{ReadOnly: c.ro})
@@ -208,15 +209,15 @@ func TestOpenErrors(t *testing.T) {
 	os.WriteFile(badKeyring, []byte("[client.admin]\n\tkey = AQBvaBFZAAAAABAAAAAAAAAAAAAAAAAAAAAAAA==\n"), 0o600)
 	cases := []struct {
 		name string
-		o    Options
-		spec ImageSpec
+		o    ceph.Options
+		spec ceph.ImageSpec
 		want string
 	}{
-		{"missing pool", opts(), ImageSpec{Pool: "nopool", Image: "x"}, `pool "nopool" does not exist`},
-		{"missing image", opts(), ImageSpec{Pool: "rbd", Image: "nope"}, "image rbd/nope does not exist"},
-		{"missing snapshot", opts(), ImageSpec{Pool: "rbd", Image: spec.Image, Snap: "nosnap"}, "does not exist"},
-		{"wrong key", Options{Conf: cluster.Conf, Keyring: badKeyring, OpTimeout: 5 * time.Second}, spec, "permission denied"},
-		{"unreachable monitor", Options{MonHost: "127.0.0.1:1", Keyring: badKeyring, OpTimeout: 3 * time.Second}, spec, "no monitor answered"},
+		{"missing pool", opts(), ceph.ImageSpec{Pool: "nopool", Image: "x"}, `pool "nopool" does not exist`},
+		{"missing image", opts(), ceph.ImageSpec{Pool: "rbd", Image: "nope"}, "image rbd/nope does not exist"},
+		{"missing snapshot", opts(), ceph.ImageSpec{Pool: "rbd", Image: spec.Image, Snap: "nosnap"}, "does not exist"},
+		{"wrong key", ceph.Options{Conf: cluster.Conf, Keyring: badKeyring, OpTimeout: 5 * time.Second}, spec, "permission denied"},
+		{"unreachable monitor", ceph.Options{MonHost: "127.0.0.1:1", Keyring: badKeyring, OpTimeout: 3 * time.Second}, spec, "no monitor answered"},
 	}
 	for _, c := range cases {
 		start := time.Now()

@@ -1,10 +1,42 @@
 package rbdio
 
+// librbd's quiesce watch, used around snapshots. Same rule as aio.go: C
+// callbacks only write to a file descriptor; Go reads it.
+
+/*
+#cgo LDFLAGS: -lrbd
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <rbd/librbd.h>
+
+static void nbdgo_quiesce_cb(void *arg) {
+	char c = 'q';
+	ssize_t r = write((int)(intptr_t)arg, &c, 1);
+	(void)r;
+}
+
+static void nbdgo_unquiesce_cb(void *arg) {
+	char c = 'u';
+	ssize_t r = write((int)(intptr_t)arg, &c, 1);
+	(void)r;
+}
+
+static int nbdgo_quiesce_watch(rbd_image_t img, uint64_t *h, int fd) {
+	return rbd_quiesce_watch(img, nbdgo_quiesce_cb, nbdgo_unquiesce_cb, (void *)(intptr_t)fd, h);
+}
+
+*/
+import "C"
+
 import (
 	"fmt"
 	"syscall"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
 )
 
 // quiescer relays librbd's quiesce/unquiesce notifications (written by C
@@ -16,7 +48,7 @@ type quiescer struct {
 	done   chan struct{}
 }
 
-func startQuiesce(img cImage, spec ImageSpec, hook func(bool) error) (*quiescer, error) {
+func startQuiesce(img cImage, spec ceph.ImageSpec, hook func(bool) error) (*quiescer, error) {
 	var p [2]int
 	if err := unix.Pipe2(p[:], unix.O_CLOEXEC); err != nil {
 		return nil, err
@@ -68,4 +100,19 @@ func (q *quiescer) stop() error {
 	<-q.done
 	unix.Close(q.r)
 	return err
+}
+
+// rbd_quiesce_watch: fd gets 'q' on quiesce and 'u' on unquiesce.
+func (i cImage) quiesceWatch(fd int) (uint64, error) {
+	var h C.uint64_t
+	err := errnoOf(C.nbdgo_quiesce_watch(i.p, &h, C.int(fd)))
+	return uint64(h), err
+}
+
+func (i cImage) quiesceComplete(h uint64, r int) {
+	C.rbd_quiesce_complete(i.p, C.uint64_t(h), C.int(r))
+}
+
+func (i cImage) quiesceUnwatch(h uint64) error {
+	return errnoOf(C.rbd_quiesce_unwatch(i.p, C.uint64_t(h)))
 }

@@ -4,6 +4,8 @@ import (
 	"fmt"
 
 	"github.com/ceph/go-ceph/rbd"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
 )
 
 // SyncImage is an image served through go-ceph's synchronous calls (one
@@ -17,7 +19,7 @@ type SyncImage struct {
 }
 
 // OpenSync opens spec read-write through go-ceph.
-func OpenSync(clusters *Clusters, o Options, spec ImageSpec) (*SyncImage, error) {
+func OpenSync(clusters *Clusters, o ceph.Options, spec ceph.ImageSpec) (*SyncImage, error) {
 	ioctx, release, err := clusters.ioctx(o, spec)
 	if err != nil {
 		return nil, err

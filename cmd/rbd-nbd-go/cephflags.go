@@ -8,14 +8,14 @@ import (
 
 	"github.com/spf13/pflag"
 
-	"github.com/rbd-nbd-go/rbd-nbd-go/rbdio"
+	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
 )
 
 // globalOpts are flags every subcommand takes, wherever they appear on the
 // line: Ceph's client options (ceph-csi puts them before the subcommand),
 // the log file and the node state directory.
 type globalOpts struct {
-	ceph     rbdio.Options
+	ceph     ceph.Options
 	logFile  string
 	logLevel string
 	stateDir string
@@ -46,7 +46,7 @@ func addGlobalFlags(f *pflag.FlagSet, g *globalOpts) {
 // daemonCeph is the Ceph identity the node daemon gets: the keyfile is
 // read here, because callers like ceph-csi delete it right after the
 // map, and the daemon needs the key again to reattach after a restart.
-func (g *globalOpts) daemonCeph() (rbdio.Options, error) {
+func (g *globalOpts) daemonCeph() (ceph.Options, error) {
 	o := g.ceph
 	if o.Conf == "" {
 		o.Conf = os.Getenv("CEPH_CONF")

@@ -18,8 +18,8 @@ import (
 
 	"github.com/rbd-nbd-go/rbd-nbd-go/attach"
 	"github.com/rbd-nbd-go/rbd-nbd-go/backend"
+	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
 	"github.com/rbd-nbd-go/rbd-nbd-go/kernel"
-	"github.com/rbd-nbd-go/rbd-nbd-go/rbdio"
 )
 
 // mapOpts are rbd-nbd's map/attach options, with its names, plus ours.
@@ -110,7 +110,7 @@ func (o *mapOpts) record(g *globalOpts, spec string) (attach.Record, error) {
 		if err != nil {
 			return rec, fmt.Errorf("passphrase file: %w", unwrapPath(err))
 		}
-		rec.Encryption = rbdio.Encryption{Format: o.encFormat, Passphrase: strings.TrimRight(string(b), "\n")}
+		rec.Encryption = ceph.Encryption{Format: o.encFormat, Passphrase: strings.TrimRight(string(b), "\n")}
 		if rec.Encryption.Format == "" {
 			rec.Encryption.Format = "luks"
 		}

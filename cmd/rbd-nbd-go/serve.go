@@ -15,6 +15,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/rbd-nbd-go/rbd-nbd-go/backend"
+	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
 	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
 	"github.com/rbd-nbd-go/rbd-nbd-go/rbdio"
 )
@@ -23,7 +24,7 @@ type serveOpts struct {
 	socket, listen, name string
 	readOnly, exclusive  bool
 	zeroCopy             bool
-	ceph                 rbdio.Options
+	ceph                 ceph.Options
 	shutdownTimeout      time.Duration
 	cpuProfile           string
 }

@@ -1,4 +1,4 @@
-package rbdio
+package ceph
 
 import "testing"
 

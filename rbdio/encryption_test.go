@@ -9,6 +9,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
 	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
 )
 
@@ -20,7 +21,7 @@ func TestEncryptionLUKS(t *testing.T) {
 		t.Fatalf("rbd encryption format: %v %s", err, out)
 	}
 	cl := NewClusters()
-	im := open(t, cl, spec, OpenOptions{Encryption: Encryption{Format: "luks", Passphrase: "correct horse"}})
+	im := open(t, cl, spec, OpenOptions{Encryption: ceph.Encryption{Format: "luks", Passphrase: "correct horse"}})
 	if im.Size() == 0 || im.Size() >= 64<<20 {
 		t.Fatalf("decrypted size %d: the LUKS header must be hidden", im.Size())
 	}
@@ -36,11 +37,11 @@ func TestEncryptionLUKS(t *testing.T) {
 		t.Fatal("plaintext reached the cluster")
 	}
 	im.Close()
-	_, err := Open(cl, opts(), spec, OpenOptions{Encryption: Encryption{Format: "luks1", Passphrase: "wrong"}})
+	_, err := Open(cl, opts(), spec, OpenOptions{Encryption: ceph.Encryption{Format: "luks1", Passphrase: "wrong"}})
 	if err == nil || !strings.Contains(err.Error(), "wrong passphrase") || strings.Contains(err.Error(), "wrong\"") {
 		t.Fatalf("wrong passphrase: %v", err)
 	}
-	if _, err := Open(cl, opts(), spec, OpenOptions{Encryption: Encryption{Format: "rot13", Passphrase: "x"}}); err == nil {
+	if _, err := Open(cl, opts(), spec, OpenOptions{Encryption: ceph.Encryption{Format: "rot13", Passphrase: "x"}}); err == nil {
 		t.Fatal("unknown format accepted")
 	}
 }
