@@ -5,6 +5,8 @@ import (
 	"os"
 	"strings"
 	"time"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/control"
 )
 
 // A device can leave the kernel without us: another tool's disconnect
@@ -62,7 +64,7 @@ func (m *Manager) releaseIfGone(d *device, s *served) bool {
 // kernelLost reports whether the kernel no longer has rec's device: not
 // connected, gone, or connected under another backend identifier (the
 // index was mapped anew by someone else). A failed query is no answer.
-func (m *Manager) kernelLost(rec Record) bool {
+func (m *Manager) kernelLost(rec control.Record) bool {
 	st, err := m.cfg.Kernel.Status(rec.Index)
 	if err != nil {
 		return errors.Is(err, os.ErrNotExist)

@@ -9,6 +9,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/rbd-nbd-go/rbd-nbd-go/control"
 	"github.com/rbd-nbd-go/rbd-nbd-go/kernel"
 )
 
@@ -32,7 +33,7 @@ func killSockets(d *fakeDev) {
 func TestDeviceDisconnectedElsewhereIsReleased(t *testing.T) {
 	r := newRig(t)
 	m := r.manager(t)
-	rec, err := m.Map(Record{Index: kernel.AnyIndex, Spec: r.file(t, 1<<20), Connections: 2, Cookie: "mine"})
+	rec, err := m.Map(control.Record{Index: kernel.AnyIndex, Spec: r.file(t, 1<<20), Connections: 2, Cookie: "mine"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -56,7 +57,7 @@ func TestDeviceDisconnectedElsewhereIsReleased(t *testing.T) {
 		t.Fatalf("still mapped after the kernel dropped it: %v", m.List())
 	}
 	// The index is free for a new map.
-	if _, err := m.Map(Record{Index: rec.Index, Spec: "mem:1M", Cookie: "next"}); err != nil {
+	if _, err := m.Map(control.Record{Index: rec.Index, Spec: "mem:1M", Cookie: "next"}); err != nil {
 		t.Fatalf("map again: %v", err)
 	}
 }
@@ -64,7 +65,7 @@ func TestDeviceDisconnectedElsewhereIsReleased(t *testing.T) {
 func TestDeviceTakenOverIsReleased(t *testing.T) {
 	r := newRig(t)
 	m := r.manager(t)
-	rec, err := m.Map(Record{Index: kernel.AnyIndex, Spec: "mem:1M", Cookie: "mine"})
+	rec, err := m.Map(control.Record{Index: kernel.AnyIndex, Spec: "mem:1M", Cookie: "mine"})
 	if err != nil {
 		t.Fatal(err)
 	}

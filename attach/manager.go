@@ -14,17 +14,11 @@ import (
 
 	"github.com/rbd-nbd-go/rbd-nbd-go/backend"
 	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
+	"github.com/rbd-nbd-go/rbd-nbd-go/control"
+	"github.com/rbd-nbd-go/rbd-nbd-go/devspec"
 	"github.com/rbd-nbd-go/rbd-nbd-go/kernel"
 	"github.com/rbd-nbd-go/rbd-nbd-go/rbdio"
 )
-
-// ErrNotMapped is returned by Unmap and Detach for a device or spec that
-// this node does not serve.
-var ErrNotMapped = errors.New("not mapped")
-
-// ErrBusy is returned by Unmap when the device is mounted or held open
-// exclusively.
-var ErrBusy = errors.New("device is busy")
 
 // Config wires a Manager to the system.
 type Config struct {
@@ -35,7 +29,7 @@ type Config struct {
 	// SysBlock and Dev default to /sys/block and /dev; tests move them.
 	SysBlock, Dev string
 	// Quiesce runs a device's quiesce hook; nil uses RunQuiesceHook.
-	Quiesce func(rec Record, quiesce bool) (target string, err error)
+	Quiesce func(rec control.Record, quiesce bool) (target string, err error)
 	// ReattachWait bounds how long a reattach waits for the kernel to
 	// notice the old connections are dead.
 	ReattachWait time.Duration
@@ -55,7 +49,7 @@ type device struct {
 	mu sync.Mutex // serialises map/unmap/attach/detach/resize of this device
 	// rec changes only with both mu and Manager.mu held once the device
 	// is in Manager.devs, so either lock is enough to read it.
-	rec Record
+	rec control.Record
 	s   *served // nil while detached
 }
 
@@ -107,52 +101,40 @@ func (m *Manager) backendOptions(d *device) backend.Options {
 	return o
 }
 
-func (d *device) recCopy() Record {
+func (d *device) recCopy() control.Record {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	return d.rec
 }
 
-func (r *Record) defaults() {
-	if r.Connections <= 0 {
-		r.Connections = 1
-	}
-	if r.BlockSize == 0 {
-		r.BlockSize = 4096
-	}
-	if r.ReattachTimeout <= 0 {
-		r.ReattachTimeout = 30 * time.Second
-	}
-}
-
-func (r Record) kernelConfig(flags, size uint64) kernel.Config {
+func kernelConfig(r control.Record, flags, size uint64) kernel.Config {
 	return kernel.Config{Index: r.Index, Size: size, BlockSize: r.BlockSize, ServerFlags: flags,
 		Timeout: r.IOTimeout, DeadConnTimeout: r.ReattachTimeout, BackendID: r.Cookie}
 }
 
 // Map makes a new device for rec (rec.Index may be kernel.AnyIndex) and
 // returns its record. On any failure nothing is left behind.
-func (m *Manager) Map(rec Record) (Record, error) {
-	rec.defaults()
-	if rec.BlockSize&(rec.BlockSize-1) != 0 || rec.BlockSize < 512 || rec.BlockSize > 4096 {
-		return Record{}, fmt.Errorf("block size %d: want a power of two from 512 to 4096", rec.BlockSize)
+func (m *Manager) Map(rec control.Record) (control.Record, error) {
+	rec.Defaults()
+	if err := rec.Validate(); err != nil {
+		return control.Record{}, err
 	}
 	if rec.Index != kernel.AnyIndex {
 		if m.get(rec.Index) != nil {
-			return Record{}, fmt.Errorf("%s is busy (already mapped)", rec.Device())
+			return control.Record{}, fmt.Errorf("%s is busy (already mapped)", rec.Device())
 		}
 	}
 	d := &device{rec: rec}
 	s, err := newServed(rec, m.backendOptions(d), m.log)
 	if err != nil {
-		return Record{}, err
+		return control.Record{}, err
 	}
 	m.watchIdle(d, s)
 	var kEnds, ours []*os.File
-	fail := func(err error) (Record, error) {
+	fail := func(err error) (control.Record, error) {
 		closeAll(kEnds) // our ends' readers see EOF at once
 		s.stop(time.Second)
-		return Record{}, err
+		return control.Record{}, err
 	}
 	size := s.opened.Backend.Size()
 	if size < rec.BlockSize {
@@ -168,16 +150,16 @@ func (m *Manager) Map(rec Record) (Record, error) {
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	index, err := m.cfg.Kernel.Connect(rec.kernelConfig(s.flags(rec), size), kEnds)
+	index, err := m.cfg.Kernel.Connect(kernelConfig(rec, s.flags(rec), size), kEnds)
 	if err != nil {
 		return fail(err)
 	}
 	closeAll(kEnds) // the kernel holds its own references now
 	d.rec.Index, d.s = index, s
-	undo := func(cause error) (Record, error) {
+	undo := func(cause error) (control.Record, error) {
 		m.cfg.Kernel.Disconnect(index)
 		s.stop(5 * time.Second)
-		return Record{}, cause
+		return control.Record{}, cause
 	}
 	m.mu.Lock()
 	if m.devs[index] != nil {
@@ -203,7 +185,7 @@ func (m *Manager) sysfs(index int, attr ...string) string {
 
 // tuneQueue raises max_sectors_kb so large I/O reaches us unsplit (the
 // kernel's default caps it at 1280 KiB; RBD objects are 4 MiB).
-func (m *Manager) tuneQueue(rec Record) {
+func (m *Manager) tuneQueue(rec control.Record) {
 	if rec.MaxSectorsKB <= 0 {
 		return
 	}
@@ -263,7 +245,7 @@ func (m *Manager) lockTarget(target string) (*device, error) {
 		}
 		m.mu.Unlock()
 		if found == nil {
-			return nil, ErrNotMapped
+			return nil, control.ErrNotMapped
 		}
 		found.mu.Lock()
 		if m.get(found.rec.Index) == found {
@@ -275,8 +257,8 @@ func (m *Manager) lockTarget(target string) (*device, error) {
 
 // sameSpec compares specs as Ceph would: "img" is "rbd/img".
 func sameSpec(a, b string) bool {
-	pa, erra := backend.ParseSpec(a)
-	pb, errb := backend.ParseSpec(b)
+	pa, erra := devspec.Parse(a)
+	pb, errb := devspec.Parse(b)
 	if erra != nil || errb != nil {
 		return a == b
 	}
@@ -284,7 +266,7 @@ func sameSpec(a, b string) bool {
 }
 
 // Unmap flushes and disconnects a device and forgets it. A mounted (or
-// exclusively opened) device is refused with ErrBusy.
+// exclusively opened) device is refused with control.ErrBusy.
 func (m *Manager) Unmap(target string) error {
 	d, err := m.lockTarget(target)
 	if err != nil {
@@ -298,7 +280,7 @@ func (m *Manager) Unmap(target string) error {
 		f.Sync()
 		f.Close()
 	} else if errors.Is(err, syscall.EBUSY) {
-		return fmt.Errorf("%s: %w (mounted or held open)", rec.Device(), ErrBusy)
+		return fmt.Errorf("%s: %w (mounted or held open)", rec.Device(), control.ErrBusy)
 	}
 	derr := m.cfg.Kernel.Disconnect(rec.Index)
 	serr := d.stopServing()
@@ -329,10 +311,10 @@ func (m *Manager) Detach(target string) error {
 // RECONFIGURE, which the kernel only accepts with the device's cookie.
 // Attaching a device that is already served with the same spec and
 // cookie is a no-op.
-func (m *Manager) Attach(rec Record) (Record, error) {
-	rec.defaults()
+func (m *Manager) Attach(rec control.Record) (control.Record, error) {
+	rec.Defaults()
 	if rec.Index < 0 {
-		return Record{}, errors.New("attach needs --device")
+		return control.Record{}, errors.New("attach needs --device")
 	}
 	if d := m.get(rec.Index); d != nil {
 		d.mu.Lock()
@@ -340,7 +322,7 @@ func (m *Manager) Attach(rec Record) (Record, error) {
 		live := d.s != nil
 		d.mu.Unlock()
 		if !sameSpec(cur.Spec, rec.Spec) || (rec.Cookie != "" && cur.Cookie != rec.Cookie) {
-			return Record{}, fmt.Errorf("%s is mapped to %s (cookie %s)", cur.Device(), cur.Spec, cur.Cookie)
+			return control.Record{}, fmt.Errorf("%s is mapped to %s (cookie %s)", cur.Device(), cur.Spec, cur.Cookie)
 		}
 		if live {
 			return cur, nil
@@ -352,23 +334,23 @@ func (m *Manager) Attach(rec Record) (Record, error) {
 	}
 	st, err := m.cfg.Kernel.Status(rec.Index)
 	if err != nil {
-		return Record{}, fmt.Errorf("%s: %w", rec.Device(), err)
+		return control.Record{}, fmt.Errorf("%s: %w", rec.Device(), err)
 	}
 	if !st.Connected {
-		return Record{}, fmt.Errorf("%s is not connected in the kernel (use map)", rec.Device())
+		return control.Record{}, fmt.Errorf("%s is not connected in the kernel (use map)", rec.Device())
 	}
 	rec.Detached = false
 	d := &device{rec: rec}
 	s, err := newServed(rec, m.backendOptions(d), m.log)
 	if err != nil {
-		return Record{}, err
+		return control.Record{}, err
 	}
 	m.watchIdle(d, s)
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if err := m.reattach(&d.rec, s); err != nil {
 		s.stop(5 * time.Second)
-		return Record{}, err
+		return control.Record{}, err
 	}
 	rec = d.rec
 	d.s = s
@@ -383,7 +365,7 @@ func (m *Manager) Attach(rec Record) (Record, error) {
 	return d.rec, nil
 }
 
-func mergeAttach(cur, req Record) Record {
+func mergeAttach(cur, req control.Record) control.Record {
 	out := cur
 	if req.Ceph != (ceph.Options{}) {
 		out.Ceph = req.Ceph
@@ -401,10 +383,10 @@ func mergeAttach(cur, req Record) Record {
 // not take means no dead socket is left — or, for the first one, that
 // the kernel has not yet noticed the old server is gone, so that one is
 // retried.
-func (m *Manager) reattach(rec *Record, s *served) error {
+func (m *Manager) reattach(rec *control.Record, s *served) error {
 	deadline := time.Now().Add(m.cfg.ReattachWait)
 	attached := 0
-	for attached < maxConnections {
+	for attached < control.MaxConnections {
 		rc := kernel.Reconfig{BackendID: rec.Cookie, DeadConnTimeout: rec.ReattachTimeout}
 		if attached == 0 {
 			rc.Size, rc.BlockSize = s.opened.Backend.Size(), rec.BlockSize
@@ -472,9 +454,6 @@ func (m *Manager) ReplaceDead(index int) {
 	m.log.Info("replaced a dead connection", "device", d.rec.Device(), "err", err)
 }
 
-// maxConnections bounds the sockets of one device.
-const maxConnections = 64
-
 // Restore takes back every device in the store that the kernel still
 // has, after a restart. Devices the kernel lost are forgotten.
 func (m *Manager) Restore() error {
@@ -490,7 +469,7 @@ func (m *Manager) Restore() error {
 			m.mu.Unlock()
 			continue
 		}
-		if sp, _ := backend.ParseSpec(rec.Spec); sp.Kind == "mem" {
+		if sp, _ := devspec.Parse(rec.Spec); sp.Kind == "mem" {
 			// Its data died with the old process: serving an empty
 			// disk in its place would be silent corruption.
 			m.log.Warn("disconnecting a memory device lost with the previous process", "device", rec.Device())
@@ -512,10 +491,10 @@ func (m *Manager) Restore() error {
 }
 
 // List returns every device, ordered by index.
-func (m *Manager) List() []Record {
+func (m *Manager) List() []control.Record {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	out := make([]Record, 0, len(m.devs))
+	out := make([]control.Record, 0, len(m.devs))
 	for _, d := range m.devs {
 		out = append(out, d.rec)
 	}

@@ -2,7 +2,6 @@ package attach
 
 import (
 	"bytes"
-	"context"
 	"errors"
 	"os"
 	"path/filepath"
@@ -12,6 +11,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/rbd-nbd-go/rbd-nbd-go/control"
 	"github.com/rbd-nbd-go/rbd-nbd-go/kernel"
 	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
 )
@@ -59,7 +59,7 @@ func (r *rig) file(t *testing.T, size int64) string {
 func TestMapServesEveryConnection(t *testing.T) {
 	r := newRig(t)
 	m := r.manager(t)
-	rec, err := m.Map(Record{Index: kernel.AnyIndex, Spec: "mem:8M", Connections: 3, Cookie: "c1",
+	rec, err := m.Map(control.Record{Index: kernel.AnyIndex, Spec: "mem:8M", Connections: 3, Cookie: "c1",
 		ReattachTimeout: 300 * time.Second, MaxSectorsKB: 4096})
 	if err != nil {
 		t.Fatal(err)
@@ -103,7 +103,7 @@ func TestMapServesEveryConnection(t *testing.T) {
 func TestMapFlagsFollowOptions(t *testing.T) {
 	r := newRig(t)
 	m := r.manager(t)
-	rec, err := m.Map(Record{Index: 2, Spec: "mem:1M", ReadOnly: true, NoTrim: true})
+	rec, err := m.Map(control.Record{Index: 2, Spec: "mem:1M", ReadOnly: true, NoTrim: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -114,7 +114,7 @@ func TestMapFlagsFollowOptions(t *testing.T) {
 	if f&nbd.FlagReadOnly == 0 || f&nbd.FlagSendTrim != 0 || f&nbd.FlagCanMultiConn != 0 {
 		t.Fatalf("flags %#x", f)
 	}
-	if _, err := m.Map(Record{Index: 2, Spec: "mem:1M"}); err == nil || !strings.Contains(err.Error(), "busy") {
+	if _, err := m.Map(control.Record{Index: 2, Spec: "mem:1M"}); err == nil || !strings.Contains(err.Error(), "busy") {
 		t.Fatalf("second map of nbd2: %v", err)
 	}
 }
@@ -122,14 +122,14 @@ func TestMapFlagsFollowOptions(t *testing.T) {
 func TestMapFailureLeavesNothing(t *testing.T) {
 	r := newRig(t)
 	m := r.manager(t)
-	if _, err := m.Map(Record{Index: kernel.AnyIndex, Spec: "file:" + filepath.Join(r.dir, "missing")}); err == nil {
+	if _, err := m.Map(control.Record{Index: kernel.AnyIndex, Spec: "file:" + filepath.Join(r.dir, "missing")}); err == nil {
 		t.Fatal("missing file mapped")
 	}
 	r.k.connectErr = errInjected
-	if _, err := m.Map(Record{Index: kernel.AnyIndex, Spec: "mem:1M"}); !errors.Is(err, errInjected) {
+	if _, err := m.Map(control.Record{Index: kernel.AnyIndex, Spec: "mem:1M"}); !errors.Is(err, errInjected) {
 		t.Fatalf("connect failure: %v", err)
 	}
-	if _, err := m.Map(Record{Index: kernel.AnyIndex, Spec: "mem:1M", BlockSize: 3000}); err == nil {
+	if _, err := m.Map(control.Record{Index: kernel.AnyIndex, Spec: "mem:1M", BlockSize: 3000}); err == nil {
 		t.Fatal("bad block size accepted")
 	}
 	if recs, _ := r.store.Load(); len(recs) != 0 || len(m.List()) != 0 || len(r.k.devs) != 0 {
@@ -141,7 +141,7 @@ func TestRestartReattachesWithCookie(t *testing.T) {
 	r := newRig(t)
 	spec := r.file(t, 4<<20)
 	m1 := NewManager(Config{Kernel: r.k, Store: r.store, SysBlock: r.sys, Dev: r.dir})
-	rec, err := m1.Map(Record{Index: kernel.AnyIndex, Spec: spec, Connections: 2, Cookie: "vol-7"})
+	rec, err := m1.Map(control.Record{Index: kernel.AnyIndex, Spec: spec, Connections: 2, Cookie: "vol-7"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -172,10 +172,10 @@ func TestRestartReattachesWithCookie(t *testing.T) {
 		t.Fatalf("reattached %d connections in %d RECONFIGUREs, want 2 in 3", got, len(r.k.reconfigs))
 	}
 	// attach of the same device and cookie is a no-op; another cookie is refused.
-	if _, err := m2.Attach(Record{Index: rec.Index, Spec: spec, Cookie: "vol-7"}); err != nil {
+	if _, err := m2.Attach(control.Record{Index: rec.Index, Spec: spec, Cookie: "vol-7"}); err != nil {
 		t.Fatalf("repeated attach: %v", err)
 	}
-	if _, err := m2.Attach(Record{Index: rec.Index, Spec: spec, Cookie: "other"}); err == nil {
+	if _, err := m2.Attach(control.Record{Index: rec.Index, Spec: spec, Cookie: "other"}); err == nil {
 		t.Fatal("attach with a foreign cookie succeeded")
 	}
 }
@@ -184,7 +184,7 @@ func TestDetachAttachUnmap(t *testing.T) {
 	r := newRig(t)
 	spec := r.file(t, 1<<20)
 	m := r.manager(t)
-	rec, err := m.Map(Record{Index: kernel.AnyIndex, Spec: spec, Cookie: "k"})
+	rec, err := m.Map(control.Record{Index: kernel.AnyIndex, Spec: spec, Cookie: "k"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -194,7 +194,7 @@ func TestDetachAttachUnmap(t *testing.T) {
 	if recs, _ := r.store.Load(); len(recs) != 1 || !recs[0].Detached {
 		t.Fatalf("detached state %+v", recs)
 	}
-	if _, err := m.Attach(Record{Index: rec.Index, Spec: spec, Cookie: "k"}); err != nil {
+	if _, err := m.Attach(control.Record{Index: rec.Index, Spec: spec, Cookie: "k"}); err != nil {
 		t.Fatal(err)
 	}
 	if e, _ := kio(t, r.k.dev(t, rec.Index).socks[0], cmdFlush, 0, 0, nil); e != 0 {
@@ -203,7 +203,7 @@ func TestDetachAttachUnmap(t *testing.T) {
 	if err := m.Unmap(spec); err != nil {
 		t.Fatal(err)
 	}
-	if err := m.Unmap(rec.Device()); !errors.Is(err, ErrNotMapped) {
+	if err := m.Unmap(rec.Device()); !errors.Is(err, control.ErrNotMapped) {
 		t.Fatalf("second unmap: %v", err)
 	}
 	if recs, _ := r.store.Load(); len(recs) != 0 || len(m.List()) != 0 {
@@ -214,51 +214,17 @@ func TestDetachAttachUnmap(t *testing.T) {
 func TestResizeReconfigures(t *testing.T) {
 	r := newRig(t)
 	m := r.manager(t)
-	rec, _ := m.Map(Record{Index: kernel.AnyIndex, Spec: "mem:1M", Cookie: "z"})
+	rec, _ := m.Map(control.Record{Index: kernel.AnyIndex, Spec: "mem:1M", Cookie: "z"})
 	m.resized(m.get(rec.Index), 2<<20)
 	if r.k.dev(t, rec.Index).cfg.Size != 2<<20 {
 		t.Fatal("kernel size not changed")
 	}
 }
 
-func TestControlSocket(t *testing.T) {
-	r := newRig(t)
-	m := r.manager(t)
-	dir := filepath.Join(r.dir, "state")
-	l, err := ListenControl(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	go ServeControl(ctx, l, m, nil)
-	if fi, _ := os.Stat(SocketPath(dir)); fi.Mode().Perm() != 0o600 {
-		t.Fatalf("control socket mode %v", fi.Mode())
-	}
-	rec := Record{Index: kernel.AnyIndex, Spec: "mem:1M"}
-	rec.Ceph.Key = "AQD-secret"
-	resp, err := Call(ctx, dir, Request{Op: OpMap, Record: &rec})
-	if err != nil || resp.Err() != nil || resp.Record.Device() != "/dev/nbd0" || resp.PID != os.Getpid() {
-		t.Fatalf("map: %+v %v", resp, err)
-	}
-	resp, _ = Call(ctx, dir, Request{Op: OpList})
-	if len(resp.List) != 1 || resp.List[0].Ceph.Key != "" {
-		t.Fatalf("list %+v (the key must not leave the daemon)", resp.List)
-	}
-	resp, _ = Call(ctx, dir, Request{Op: OpUnmap, Target: "/dev/nbd5"})
-	if !errors.Is(resp.Err(), ErrNotMapped) {
-		t.Fatalf("unmap of an unmapped device: %+v", resp)
-	}
-	resp, _ = Call(ctx, dir, Request{Op: "explode"})
-	if resp.Err() == nil {
-		t.Fatal("unknown op accepted")
-	}
-}
-
 func TestRestoreDropsMemoryDevices(t *testing.T) {
 	r := newRig(t)
 	m1 := NewManager(Config{Kernel: r.k, Store: r.store, SysBlock: r.sys, Dev: r.dir})
-	rec, err := m1.Map(Record{Index: kernel.AnyIndex, Spec: "mem:1M"})
+	rec, err := m1.Map(control.Record{Index: kernel.AnyIndex, Spec: "mem:1M"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -275,7 +241,7 @@ func TestRestoreDropsMemoryDevices(t *testing.T) {
 func TestReplaceDeadConnection(t *testing.T) {
 	r := newRig(t)
 	m := r.manager(t)
-	rec, err := m.Map(Record{Index: kernel.AnyIndex, Spec: "mem:1M", Connections: 2, Cookie: "q"})
+	rec, err := m.Map(control.Record{Index: kernel.AnyIndex, Spec: "mem:1M", Connections: 2, Cookie: "q"})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -11,6 +11,8 @@ import (
 
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/control"
 )
 
 // ioctl numbers of FIFREEZE and FITHAW (_IOWR('X', 119/120, int)).
@@ -24,7 +26,7 @@ const (
 // and thaws the filesystem mounted on the device, so the snapshot librbd
 // is about to take is consistent. It returns what it acted on (the hook,
 // a mount point, or "" when nothing is mounted), for the log.
-func RunQuiesceHook(rec Record, quiesce bool) (string, error) {
+func RunQuiesceHook(rec control.Record, quiesce bool) (string, error) {
 	verb := "unquiesce"
 	if quiesce {
 		verb = "quiesce"

@@ -8,51 +8,16 @@ import (
 	"path/filepath"
 	"sort"
 	"strings"
-	"time"
 
-	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
+	"github.com/rbd-nbd-go/rbd-nbd-go/control"
 )
-
-// Record is everything needed to serve a device again after a restart.
-// It holds the Ceph key (the keyfile it came from is often gone by then),
-// so records are written 0600 in a 0700 directory under /run: root only,
-// never on disk.
-type Record struct {
-	Index  int    `json:"index"`
-	Spec   string `json:"spec"`
-	Cookie string `json:"cookie"`
-
-	ReadOnly  bool `json:"read_only,omitempty"`
-	Exclusive bool `json:"exclusive,omitempty"`
-	NoTrim    bool `json:"notrim,omitempty"`
-
-	Connections     int           `json:"connections"`
-	BlockSize       uint64        `json:"block_size"`
-	IOTimeout       time.Duration `json:"io_timeout"`
-	ReattachTimeout time.Duration `json:"reattach_timeout"`
-	MaxSectorsKB    int           `json:"max_sectors_kb,omitempty"`
-
-	Ceph       ceph.Options    `json:"ceph"`
-	Encryption ceph.Encryption `json:"encryption,omitzero"`
-	Quiesce    bool            `json:"quiesce,omitempty"`
-	// QuiesceHook runs as HOOK DEVICE quiesce|unquiesce; empty means
-	// fsfreeze of the filesystem mounted on the device.
-	QuiesceHook string `json:"quiesce_hook,omitempty"`
-
-	// Detached devices keep their kernel side (waiting for a reattach)
-	// but are not served, and a restart does not reattach them.
-	Detached bool `json:"detached,omitempty"`
-}
-
-// Device is the device node path.
-func (r Record) Device() string { return fmt.Sprintf("/dev/nbd%d", r.Index) }
 
 // Store keeps one JSON file per device.
 type Store struct{ dir string }
 
 // OpenStore uses (and creates) dir/devices.
 func OpenStore(dir string) (*Store, error) {
-	d := filepath.Join(dir, "devices")
+	d := control.RecordsDir(dir)
 	if err := os.MkdirAll(d, 0o700); err != nil {
 		return nil, fmt.Errorf("state directory: %w", err)
 	}
@@ -65,7 +30,7 @@ func OpenStore(dir string) (*Store, error) {
 func (s *Store) path(index int) string { return filepath.Join(s.dir, fmt.Sprintf("nbd%d.json", index)) }
 
 // Save writes r atomically (temp file, fsync, rename).
-func (s *Store) Save(r Record) error {
+func (s *Store) Save(r control.Record) error {
 	b, err := json.MarshalIndent(r, "", "  ")
 	if err != nil {
 		return err
@@ -99,12 +64,12 @@ func (s *Store) Remove(index int) error {
 }
 
 // Load reads every record, by device index.
-func (s *Store) Load() ([]Record, error) {
+func (s *Store) Load() ([]control.Record, error) {
 	ents, err := os.ReadDir(s.dir)
 	if err != nil {
 		return nil, err
 	}
-	var out []Record
+	var out []control.Record
 	for _, e := range ents {
 		if !strings.HasSuffix(e.Name(), ".json") || strings.HasPrefix(e.Name(), ".") {
 			continue
@@ -113,7 +78,7 @@ func (s *Store) Load() ([]Record, error) {
 		if err != nil {
 			return nil, err
 		}
-		var r Record
+		var r control.Record
 		if err := json.Unmarshal(b, &r); err != nil {
 			return nil, fmt.Errorf("state file %s: %w", e.Name(), err)
 		}
@@ -123,6 +88,6 @@ func (s *Store) Load() ([]Record, error) {
 	return out, nil
 }
 
-func sortRecords(rs []Record) {
+func sortRecords(rs []control.Record) {
 	sort.Slice(rs, func(i, j int) bool { return rs[i].Index < rs[j].Index })
 }

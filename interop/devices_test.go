@@ -79,7 +79,11 @@ func TestDeviceCLIWithoutKernelNBD(t *testing.T) {
 		{[]string{"map", "--device", "/dev/sda", "mem:1M"}, "want /dev/nbdN"},
 		{[]string{"map", "bogus:thing"}, "bad spec"},
 		{[]string{"map", "mem:0"}, "bad size"},
-		{[]string{"map", "--connections", "0", "mem:1M"}, "--connections"},
+		// control.Record.Validate, run by the client before it asks.
+		{[]string{"map", "--connections", "0", "mem:1M"}, "connections 0: want 1 to 64"},
+		{[]string{"map", "--block-size", "3000", "mem:1M"}, "block size 3000"},
+		{[]string{"map", "--exclusive", "mem:1M"}, "RBD images only"},
+		{[]string{"map", "--reattach-timeout", "-1", "mem:1M"}, "cannot be negative"},
 		{[]string{"map", "--keyfile", key, "rbd/img"}, "keyfile: " + key + ": no such file"},
 		{[]string{"map", "--encryption-format", "luks2", "rbd/img"}, "passphrase-file"},
 		{[]string{"map", "--no-such-flag", "rbd/img"}, "unknown flag"},

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"crypto/rand"
 	"encoding/json"
 	"errors"
@@ -16,10 +17,9 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
-	"github.com/rbd-nbd-go/rbd-nbd-go/attach"
-	"github.com/rbd-nbd-go/rbd-nbd-go/backend"
 	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
-	"github.com/rbd-nbd-go/rbd-nbd-go/kernel"
+	"github.com/rbd-nbd-go/rbd-nbd-go/control"
+	"github.com/rbd-nbd-go/rbd-nbd-go/devspec"
 )
 
 // mapOpts are rbd-nbd's map/attach options, with its names, plus ours.
@@ -73,10 +73,10 @@ func deviceIndex(dev string) (int, error) {
 	return strconv.Atoi(m[1])
 }
 
-// record builds the daemon's device record, validating everything the
-// CLI can check before any device exists.
-func (o *mapOpts) record(g *globalOpts, spec string) (attach.Record, error) {
-	rec := attach.Record{Index: kernel.AnyIndex, Spec: spec, Cookie: o.cookie,
+// record builds the daemon's device record; control.Record.Validate,
+// which the client and the daemon both run, checks it.
+func (o *mapOpts) record(g *globalOpts, spec string) (control.Record, error) {
+	rec := control.Record{Index: control.AnyIndex, Spec: spec, Cookie: o.cookie,
 		ReadOnly: o.readOnly, Exclusive: o.exclusive, NoTrim: o.notrim,
 		Connections: o.connections, BlockSize: o.blockSize, MaxSectorsKB: o.maxSectorsKB,
 		IOTimeout:       time.Duration(o.ioTimeout) * time.Second,
@@ -89,13 +89,12 @@ func (o *mapOpts) record(g *globalOpts, spec string) (attach.Record, error) {
 		}
 		rec.Index = idx
 	}
-	if o.connections < 1 || o.connections > 64 {
-		return rec, fmt.Errorf("--connections %d: want 1 to 64", o.connections)
-	}
 	if o.ioTimeout < 0 || o.reattachTimeout < 0 {
+		// Caught here: a negative --reattach-timeout would read as
+		// "unset" once it is a Duration of the record.
 		return rec, errors.New("timeouts cannot be negative")
 	}
-	if _, err := backend.ParseSpec(spec); err != nil {
+	if err := rec.Validate(); err != nil {
 		return rec, err
 	}
 	var err error
@@ -114,11 +113,8 @@ func (o *mapOpts) record(g *globalOpts, spec string) (attach.Record, error) {
 		if rec.Encryption.Format == "" {
 			rec.Encryption.Format = "luks"
 		}
-		if err := rec.Encryption.Validate(); err != nil {
-			return rec, err
-		}
 	}
-	return rec, nil
+	return rec, rec.Validate()
 }
 
 func newUUID() string {
@@ -147,7 +143,7 @@ the device path once the device is live.`,
 			if rec.Cookie == "" {
 				rec.Cookie = newUUID()
 			}
-			return deviceCall(g, o, attach.Request{Op: attach.OpMap, Record: &rec})
+			return deviceCall(g, o, control.OpMap, rec)
 		},
 	}
 	addMapFlags(cmd.Flags(), &o)
@@ -169,30 +165,38 @@ func newAttach(g *globalOpts) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			return deviceCall(g, o, attach.Request{Op: attach.OpAttach, Record: &rec})
+			return deviceCall(g, o, control.OpAttach, rec)
 		},
 	}
 	addMapFlags(cmd.Flags(), &o)
 	return cmd
 }
 
-func deviceCall(g *globalOpts, o mapOpts, req attach.Request) error {
-	resp, err := callDaemon(g, kernel.ModuleOptions{NbdsMax: o.nbdsMax, MaxPart: o.maxPart}, req, true)
-	if err == nil {
-		err = resp.Err()
+func deviceCall(g *globalOpts, o mapOpts, op string, rec control.Record) error {
+	ctx, cancel := context.WithTimeout(context.Background(), callTimeout)
+	defer cancel()
+	c := g.client(o.nbdsMax, o.maxPart)
+	call := c.Map
+	if op == control.OpAttach {
+		call = c.Attach
 	}
+	got, err := call(ctx, rec)
 	if err != nil {
-		g.logOutcome(req.Op, req.Record.Spec, err)
+		g.logOutcome(op, rec.Spec, err)
 		return err
 	}
-	out := resp.Record.Device()
+	out := got.Device()
 	if o.showCookie {
-		out += " " + resp.Record.Cookie
+		out += " " + got.Cookie
 	}
-	g.logOutcome(req.Op, req.Record.Spec+" "+out, nil)
+	g.logOutcome(op, rec.Spec+" "+out, nil)
 	fmt.Println(out)
 	return nil
 }
+
+// callTimeout bounds one CLI call to the daemon, a start with its
+// reattaches included.
+const callTimeout = 5 * time.Minute
 
 func targetCmd(g *globalOpts, use, short, op string) *cobra.Command {
 	return &cobra.Command{
@@ -205,15 +209,19 @@ func targetCmd(g *globalOpts, use, short, op string) *cobra.Command {
 				if _, err := deviceIndex(target); err != nil {
 					return err
 				}
-			} else if _, err := backend.ParseSpec(target); err != nil {
+			} else if _, err := devspec.Parse(target); err != nil {
 				return err
 			}
-			resp, err := callDaemon(g, kernel.ModuleOptions{}, attach.Request{Op: op, Target: target}, false)
-			if err == nil {
-				err = resp.Err()
+			ctx, cancel := context.WithTimeout(context.Background(), callTimeout)
+			defer cancel()
+			c := g.client(0, 0)
+			call := c.Unmap
+			if op == control.OpDetach {
+				call = c.Detach
 			}
+			err := call(ctx, target)
 			g.logOutcome(op, target, err)
-			if errors.Is(err, attach.ErrNotMapped) || errors.Is(err, errNoDaemon) {
+			if errors.Is(err, control.ErrNotMapped) {
 				// Ceph's exact words: ceph-csi treats them as success.
 				return &exitError{code: exitNotMapped, msg: fmt.Sprintf("rbd-nbd: %s is not mapped", target)}
 			}
@@ -223,11 +231,11 @@ func targetCmd(g *globalOpts, use, short, op string) *cobra.Command {
 }
 
 func newUnmap(g *globalOpts) *cobra.Command {
-	return targetCmd(g, "unmap", "Flush and remove a mapped device", attach.OpUnmap)
+	return targetCmd(g, "unmap", "Flush and remove a mapped device", control.OpUnmap)
 }
 
 func newDetach(g *globalOpts) *cobra.Command {
-	return targetCmd(g, "detach", "Stop serving a device but keep it, waiting for attach", attach.OpDetach)
+	return targetCmd(g, "detach", "Stop serving a device but keep it, waiting for attach", control.OpDetach)
 }
 
 // mapped is one line of list-mapped, with rbd-nbd's JSON field names.
@@ -241,9 +249,9 @@ type mapped struct {
 	Cookie    string `json:"cookie"`
 }
 
-func toMapped(pid int, r attach.Record) mapped {
+func toMapped(pid int, r control.Record) mapped {
 	m := mapped{ID: pid, Device: r.Device(), Cookie: r.Cookie, Snap: "-", Image: r.Spec}
-	if sp, err := backend.ParseSpec(r.Spec); err == nil && sp.IsRBD() {
+	if sp, err := devspec.Parse(r.Spec); err == nil && sp.IsRBD() {
 		is := sp.Image
 		m.Pool, m.Namespace, m.Image = is.Pool, is.Namespace, is.Image
 		if is.Snap != "" {
@@ -264,14 +272,16 @@ func newListMapped(g *globalOpts) *cobra.Command {
 			if format != "plain" && format != "json" {
 				return fmt.Errorf("bad --format %q: want plain or json", format)
 			}
-			resp, err := callDaemon(g, kernel.ModuleOptions{}, attach.Request{Op: attach.OpList}, false)
-			if err != nil && !errors.Is(err, errNoDaemon) {
+			ctx, cancel := context.WithTimeout(context.Background(), callTimeout)
+			defer cancel()
+			ls, err := g.client(0, 0).List(ctx)
+			if err != nil {
 				return err
 			}
 			list := []mapped{}
-			for _, r := range resp.List {
+			for _, r := range ls.Devices {
 				if !r.Detached {
-					list = append(list, toMapped(resp.PID, r))
+					list = append(list, toMapped(ls.PID, r))
 				}
 			}
 			if format == "json" {

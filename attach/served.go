@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/rbd-nbd-go/rbd-nbd-go/backend"
+	"github.com/rbd-nbd-go/rbd-nbd-go/control"
 	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
 )
 
@@ -31,7 +32,7 @@ type served struct {
 
 // flags are the transmission flags the kernel is told through netlink:
 // what the backend can do, minus what the kernel must not send.
-func (s *served) flags(rec Record) uint64 {
+func (s *served) flags(rec control.Record) uint64 {
 	exp := nbd.Export{Backend: s.opened.Backend, ReadOnly: rec.ReadOnly}
 	f := exp.Flags(false)
 	if rec.NoTrim {
@@ -86,7 +87,7 @@ func closeAll(fs []*os.File) {
 }
 
 // newServed opens rec's backend and an NBD server with one export.
-func newServed(rec Record, opts backend.Options, log *slog.Logger) (*served, error) {
+func newServed(rec control.Record, opts backend.Options, log *slog.Logger) (*served, error) {
 	opened, err := backend.Open(rec.Spec, opts)
 	if err != nil {
 		return nil, err

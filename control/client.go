@@ -1,0 +1,146 @@
+package control
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"syscall"
+)
+
+// ErrNoDaemon: nothing serves this node and no device is recorded.
+var ErrNoDaemon = errors.New("no rbd-nbd-go daemon is running")
+
+// Client talks to the node daemon of one state directory.
+type Client struct {
+	StateDir string
+	// Start says how to start the daemon when a call finds none.
+	Start StartOptions
+}
+
+// Map makes a new device for rec and returns its record (without
+// secrets). It starts the daemon if none is running.
+func (c *Client) Map(ctx context.Context, rec Record) (Record, error) {
+	return c.device(ctx, OpMap, rec)
+}
+
+// Attach serves an existing /dev/nbdN again (rec.Index names it).
+func (c *Client) Attach(ctx context.Context, rec Record) (Record, error) {
+	if rec.Index < 0 {
+		return Record{}, errors.New("attach needs a device")
+	}
+	return c.device(ctx, OpAttach, rec)
+}
+
+func (c *Client) device(ctx context.Context, op string, rec Record) (Record, error) {
+	if err := rec.Validate(); err != nil {
+		return Record{}, err
+	}
+	resp, err := c.Call(ctx, Request{Op: op, Record: &rec}, true)
+	if err == nil {
+		err = resp.Err()
+	}
+	if err != nil {
+		return Record{}, err
+	}
+	if resp.Record == nil {
+		return Record{}, errors.New("the daemon answered without a device record")
+	}
+	return *resp.Record, nil
+}
+
+// Unmap flushes and removes a device, by path (/dev/nbdN) or spec.
+// ErrNotMapped when nothing serves it.
+func (c *Client) Unmap(ctx context.Context, target string) error {
+	return c.target(ctx, OpUnmap, target)
+}
+
+// Detach stops serving a device but leaves it in the kernel.
+func (c *Client) Detach(ctx context.Context, target string) error {
+	return c.target(ctx, OpDetach, target)
+}
+
+func (c *Client) target(ctx context.Context, op, target string) error {
+	resp, err := c.Call(ctx, Request{Op: op, Target: target}, false)
+	if errors.Is(err, ErrNoDaemon) {
+		return ErrNotMapped
+	}
+	if err != nil {
+		return err
+	}
+	return resp.Err()
+}
+
+// Listing is every device the daemon has, and the daemon's pid.
+type Listing struct {
+	PID     int
+	Devices []Record
+}
+
+// List returns the devices; with no daemon and nothing recorded, none.
+func (c *Client) List(ctx context.Context) (Listing, error) {
+	resp, err := c.Call(ctx, Request{Op: OpList}, false)
+	if errors.Is(err, ErrNoDaemon) {
+		return Listing{}, nil
+	}
+	if err == nil {
+		err = resp.Err()
+	}
+	return Listing{PID: resp.PID, Devices: resp.List}, err
+}
+
+// Ping reports whether a daemon answers, without starting one.
+func (c *Client) Ping(ctx context.Context) error {
+	_, err := c.call(ctx, Request{Op: OpPing})
+	return err
+}
+
+// Call sends req to the daemon. When none answers it starts one if
+// start is set or devices are recorded (a restarted node's devices
+// need their server back); otherwise it returns ErrNoDaemon.
+func (c *Client) Call(ctx context.Context, req Request, start bool) (Response, error) {
+	resp, err := c.call(ctx, req)
+	if err == nil || !absent(err) {
+		return resp, err
+	}
+	if !start && !hasRecords(c.StateDir) {
+		return resp, ErrNoDaemon
+	}
+	if err := c.start(ctx); err != nil {
+		return resp, err
+	}
+	return c.call(ctx, req)
+}
+
+func absent(err error) bool {
+	return errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ECONNREFUSED)
+}
+
+// call sends one request, bounded by ctx.
+func (c *Client) call(ctx context.Context, req Request) (Response, error) {
+	var d net.Dialer
+	conn, err := d.DialContext(ctx, "unix", SocketPath(c.StateDir))
+	if err != nil {
+		return Response{}, err
+	}
+	defer conn.Close()
+	stop := context.AfterFunc(ctx, func() { conn.Close() })
+	defer stop()
+	if err := json.NewEncoder(conn).Encode(req); err != nil {
+		return Response{}, ctxErr(ctx, err)
+	}
+	var resp Response
+	if err := json.NewDecoder(conn).Decode(&resp); err != nil {
+		return Response{}, fmt.Errorf("control socket: %w", ctxErr(ctx, err))
+	}
+	return resp, nil
+}
+
+// ctxErr prefers the context's reason over the closed socket it caused.
+func ctxErr(ctx context.Context, err error) error {
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	return err
+}

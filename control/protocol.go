@@ -1,0 +1,100 @@
+package control
+
+import (
+	"errors"
+	"path/filepath"
+)
+
+// The daemon answers one JSON Request with one JSON Response per
+// connection on a unix socket in the state directory (mode 0600, in a
+// 0700 directory: root only).
+
+// Request ops.
+const (
+	OpMap    = "map"
+	OpAttach = "attach"
+	OpUnmap  = "unmap"
+	OpDetach = "detach"
+	OpList   = "list"
+	OpPing   = "ping"
+)
+
+// Request is one call to the daemon.
+type Request struct {
+	Op     string  `json:"op"`
+	Record *Record `json:"record,omitempty"`
+	Target string  `json:"target,omitempty"` // device path or spec
+}
+
+// Response codes besides success.
+const (
+	CodeNotMapped = "not_mapped"
+	CodeBusy      = "busy"
+	CodeError     = "error"
+)
+
+// Response is the daemon's answer. Records in it never carry secrets.
+type Response struct {
+	Code   string   `json:"code,omitempty"`
+	Error  string   `json:"error,omitempty"`
+	PID    int      `json:"pid"`
+	Record *Record  `json:"record,omitempty"`
+	List   []Record `json:"list,omitempty"`
+}
+
+// ErrNotMapped: the device or spec is not served on this node.
+var ErrNotMapped = errors.New("not mapped")
+
+// ErrBusy: the device is mounted or held open exclusively.
+var ErrBusy = errors.New("device is busy")
+
+// Failure turns a daemon-side error into a response; its sentinel
+// survives the trip (Response.Err).
+func Failure(err error) Response {
+	r := Response{Code: CodeError, Error: err.Error()}
+	switch {
+	case errors.Is(err, ErrNotMapped):
+		r.Code = CodeNotMapped
+	case errors.Is(err, ErrBusy):
+		r.Code = CodeBusy
+	}
+	return r
+}
+
+// Err turns a failed response into an error that errors.Is recognises.
+func (r Response) Err() error {
+	switch r.Code {
+	case "":
+		return nil
+	case CodeNotMapped:
+		return ErrNotMapped
+	case CodeBusy:
+		return codeError{r.Error, ErrBusy}
+	}
+	return errors.New(r.Error)
+}
+
+// codeError keeps the daemon's message and matches its sentinel.
+type codeError struct {
+	msg    string
+	target error
+}
+
+func (e codeError) Error() string        { return e.msg }
+func (e codeError) Is(target error) bool { return target == e.target }
+
+// SocketPath is the control socket in a state directory.
+func SocketPath(stateDir string) string { return filepath.Join(stateDir, "control.sock") }
+
+// RecordsDir holds one record file per device (nbdN.json).
+func RecordsDir(stateDir string) string { return filepath.Join(stateDir, "devices") }
+
+// LogPath is where a daemon started by Start logs.
+func LogPath(stateDir string) string { return filepath.Join(stateDir, "daemon.log") }
+
+// hasRecords reports whether devices are recorded: a restarted node's
+// devices need their server back even for a call that starts nothing.
+func hasRecords(stateDir string) bool {
+	m, _ := filepath.Glob(filepath.Join(RecordsDir(stateDir), "nbd*.json"))
+	return len(m) > 0
+}

@@ -1,0 +1,42 @@
+package control
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
+)
+
+func TestValidate(t *testing.T) {
+	ok := Record{Index: AnyIndex, Spec: "pool/img", Connections: 4}
+	if err := ok.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	for want, mod := range map[string]func(*Record){
+		"connections 0":       func(r *Record) { r.Connections = 0 },
+		"connections 65":      func(r *Record) { r.Connections = 65 },
+		"negative":            func(r *Record) { r.IOTimeout = -time.Second },
+		"block size 3000":     func(r *Record) { r.BlockSize = 3000 },
+		"bad image spec":      func(r *Record) { r.Spec = "a/b/c/d" },
+		"unknown kind":        func(r *Record) { r.Spec = "nbd:x" },
+		"RBD images only":     func(r *Record) { r.Spec, r.Exclusive = "mem:1M", true },
+		"encryption format":   func(r *Record) { r.Encryption = ceph.Encryption{Format: "rot13", Passphrase: "x"} },
+		"needs an encryption": func(r *Record) { r.Encryption = ceph.Encryption{Passphrase: "x"} },
+		"needs a passphrase":  func(r *Record) { r.Encryption = ceph.Encryption{Format: "luks"} },
+		"bad device index":    func(r *Record) { r.Index = -7 },
+	} {
+		r := ok
+		mod(&r)
+		if err := r.Validate(); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("%s: got %v", want, err)
+		}
+	}
+}
+
+func TestPublicDropsSecrets(t *testing.T) {
+	r := Record{Ceph: ceph.Options{Key: "AQD"}, Encryption: ceph.Encryption{Format: "luks", Passphrase: "p"}}
+	if p := r.Public(); p.Ceph.Key != "" || p.Encryption.Passphrase != "" || p.Encryption.Format != "luks" {
+		t.Fatalf("%+v", p)
+	}
+}

@@ -1,0 +1,151 @@
+package control
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"runtime"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// StartOptions say how to start the node daemon: this executable's
+// hidden "daemon" command, in its own session, logging to LogPath.
+type StartOptions struct {
+	// Exe is the binary to run; empty means this executable.
+	Exe      string
+	LogLevel string
+	// NbdsMax and MaxPart are nbd module parameters, for a daemon that
+	// loads the module itself.
+	NbdsMax, MaxPart int
+}
+
+// Ready-pipe words: a daemon writes ReadyOK once it serves, or
+// ReadyRunning when another daemon already holds the state directory,
+// or any other line saying why it stopped.
+const (
+	ReadyOK      = "ok"
+	ReadyRunning = "running"
+)
+
+// readyWait bounds the wait for a starting daemon: it reattaches every
+// recorded device before it answers.
+const readyWait = 3 * time.Minute
+
+// EnsureRunning starts the daemon unless one answers; it returns once
+// the daemon serves. The CSI node plugin calls it at start, so a
+// restarted plugin's devices get their server back before the kernel's
+// dead-connection timeout, without waiting for a first request.
+func (c *Client) EnsureRunning(ctx context.Context) error {
+	err := c.Ping(ctx)
+	if err == nil || !absent(err) {
+		return err
+	}
+	return c.start(ctx)
+}
+
+// start runs the daemon and waits until it serves (or says why not).
+func (cl *Client) start(ctx context.Context) error {
+	o, stateDir := cl.Start, cl.StateDir
+	if err := os.MkdirAll(stateDir, 0o700); err != nil {
+		return err
+	}
+	exe := o.Exe
+	if exe == "" {
+		var err error
+		if exe, err = os.Executable(); err != nil {
+			return err
+		}
+	}
+	logf, err := os.OpenFile(LogPath(stateDir), os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o600)
+	if err != nil {
+		return err
+	}
+	defer logf.Close()
+	pr, pw, err := os.Pipe()
+	if err != nil {
+		return err
+	}
+	defer pr.Close()
+	level := o.LogLevel
+	if level == "" {
+		level = "info"
+	}
+	cmd := exec.Command(exe, "daemon", "--state-dir", stateDir, "--log-level", level,
+		"--nbds_max", strconv.Itoa(o.NbdsMax), "--max_part", strconv.Itoa(o.MaxPart), "--ready-fd", "3")
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.ExtraFiles = []*os.File{pw}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	cmd.Dir = "/"
+	err = startFlusher(cmd)
+	pw.Close()
+	if err != nil {
+		return fmt.Errorf("start daemon: %w", err)
+	}
+	waited := make(chan struct{})
+	go func() { cmd.Wait(); close(waited) }()
+	deadline := time.Now().Add(readyWait)
+	if dl, ok := ctx.Deadline(); ok && dl.Before(deadline) {
+		deadline = dl
+	}
+	pr.SetReadDeadline(deadline)
+	line, _ := bufio.NewReader(pr).ReadString('\n')
+	switch line = strings.TrimSpace(line); line {
+	case ReadyOK:
+		return nil
+	case ReadyRunning:
+		// Lost a start race: the winner may still be restoring.
+		return cl.waitSocket(ctx, deadline)
+	case "":
+		select {
+		case <-waited:
+			return fmt.Errorf("the rbd-nbd-go daemon exited at start (see %s)", LogPath(stateDir))
+		default:
+			return fmt.Errorf("the rbd-nbd-go daemon did not get ready (see %s)", LogPath(stateDir))
+		}
+	}
+	return errors.New(line)
+}
+
+// waitSocket waits for another starting daemon to answer.
+func (cl *Client) waitSocket(ctx context.Context, deadline time.Time) error {
+	for time.Now().Before(deadline) {
+		if err := cl.Ping(ctx); err == nil {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+	return errors.New("another rbd-nbd-go daemon holds the state directory but does not answer")
+}
+
+// PR_SET_IO_FLUSHER: the daemon's allocations must not wait on writeback
+// to the devices it serves.
+const (
+	PrSetIOFlusher = 57
+	PrGetIOFlusher = 58
+)
+
+// startFlusher starts cmd from a thread marked PR_SET_IO_FLUSHER, so the
+// process inherits the mark on every thread it will have (the mark is
+// inherited by new threads and kept across exec). The thread is thrown
+// away afterwards (never unlocked).
+func startFlusher(cmd *exec.Cmd) error {
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		unix.Prctl(PrSetIOFlusher, 1, 0, 0, 0) // the daemon reports if this failed
+		errc <- cmd.Start()
+	}()
+	return <-errc
+}

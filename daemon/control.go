@@ -1,0 +1,85 @@
+package daemon
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"time"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/attach"
+	"github.com/rbd-nbd-go/rbd-nbd-go/control"
+)
+
+// Serve answers control requests on l until ctx ends: one JSON request,
+// one JSON response per connection.
+func Serve(ctx context.Context, l net.Listener, m *attach.Manager, log *slog.Logger) error {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	stop := context.AfterFunc(ctx, func() { l.Close() })
+	defer stop()
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return err
+		}
+		go func() {
+			defer c.Close()
+			var req control.Request
+			c.SetReadDeadline(time.Now().Add(10 * time.Second))
+			if err := json.NewDecoder(bufio.NewReader(c)).Decode(&req); err != nil {
+				log.Warn("bad control request", "err", err)
+				return
+			}
+			c.SetReadDeadline(time.Time{})
+			resp := handle(m, req)
+			resp.PID = os.Getpid()
+			json.NewEncoder(c).Encode(resp)
+		}()
+	}
+}
+
+func handle(m *attach.Manager, req control.Request) control.Response {
+	one := func(rec control.Record, err error) control.Response {
+		if err != nil {
+			return control.Failure(err)
+		}
+		p := rec.Public()
+		return control.Response{Record: &p}
+	}
+	switch req.Op {
+	case control.OpPing:
+		return control.Response{}
+	case control.OpList:
+		var out []control.Record
+		for _, r := range m.List() {
+			out = append(out, r.Public())
+		}
+		return control.Response{List: out}
+	case control.OpMap, control.OpAttach:
+		if req.Record == nil {
+			return control.Failure(errors.New("request has no device record"))
+		}
+		// Whoever the client is, its request is checked here too.
+		if err := req.Record.Validate(); err != nil {
+			return control.Failure(err)
+		}
+		if req.Op == control.OpMap {
+			return one(m.Map(*req.Record))
+		}
+		return one(m.Attach(*req.Record))
+	case control.OpUnmap:
+		return one(control.Record{}, m.Unmap(req.Target))
+	case control.OpDetach:
+		return one(control.Record{}, m.Detach(req.Target))
+	}
+	return control.Failure(fmt.Errorf("unknown request %q", req.Op))
+}

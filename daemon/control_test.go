@@ -1,0 +1,125 @@
+package daemon
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/attach"
+	"github.com/rbd-nbd-go/rbd-nbd-go/control"
+	"github.com/rbd-nbd-go/rbd-nbd-go/kernel"
+	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
+)
+
+// fakeKernel takes devices and holds their sockets, as the kernel would,
+// without sending I/O: enough for the control protocol.
+type fakeKernel struct {
+	mu    sync.Mutex
+	socks map[int][]*os.File
+}
+
+func (k *fakeKernel) Connect(cfg kernel.Config, socks []*os.File) (int, error) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	i := len(k.socks)
+	var dup []*os.File
+	for _, f := range socks {
+		fd, err := dupFile(f)
+		if err != nil {
+			return 0, err
+		}
+		dup = append(dup, fd)
+	}
+	k.socks[i] = dup
+	return i, nil
+}
+
+func dupFile(f *os.File) (*os.File, error) {
+	sc, err := f.SyscallConn()
+	if err != nil {
+		return nil, err
+	}
+	var out *os.File
+	var derr error
+	sc.Control(func(fd uintptr) {
+		var nfd int
+		nfd, derr = unix.FcntlInt(fd, unix.F_DUPFD_CLOEXEC, 0)
+		out = os.NewFile(uintptr(nfd), "kernel-end")
+	})
+	return out, derr
+}
+
+func (k *fakeKernel) Reconfigure(int, kernel.Reconfig, []*os.File) error { return nil }
+func (k *fakeKernel) Disconnect(index int) error {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	for _, f := range k.socks[index] {
+		f.Close()
+	}
+	delete(k.socks, index)
+	return nil
+}
+func (k *fakeKernel) Status(index int) (kernel.Status, error) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return kernel.Status{Connected: k.socks[index] != nil}, nil
+}
+func (k *fakeKernel) Name() string { return "fake" }
+func (k *fakeKernel) Close() error { return nil }
+
+func TestControlSocket(t *testing.T) {
+	dir := t.TempDir()
+	store, err := attach.OpenStore(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := attach.NewManager(attach.Config{Kernel: &fakeKernel{socks: map[int][]*os.File{}}, Store: store,
+		SysBlock: filepath.Join(dir, "sys"), Dev: filepath.Join(dir, "dev")})
+	defer m.Close()
+	l, err := nbd.ListenUnix(control.SocketPath(dir))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go Serve(ctx, l, m, nil)
+	if fi, _ := os.Stat(control.SocketPath(dir)); fi.Mode().Perm() != 0o600 {
+		t.Fatalf("control socket mode %v", fi.Mode())
+	}
+	c := &control.Client{StateDir: dir}
+	if err := c.Ping(ctx); err != nil {
+		t.Fatal(err)
+	}
+	rec := control.Record{Index: control.AnyIndex, Spec: "mem:1M", Connections: 1}
+	rec.Ceph.Key = "AQD-secret"
+	got, err := c.Map(ctx, rec)
+	if err != nil || got.Device() != "/dev/nbd0" || got.Ceph.Key != "" {
+		t.Fatalf("map: %+v %v (the key must not leave the daemon)", got, err)
+	}
+	ls, err := c.List(ctx)
+	if err != nil || len(ls.Devices) != 1 || ls.Devices[0].Ceph.Key != "" || ls.PID != os.Getpid() {
+		t.Fatalf("list %+v %v", ls, err)
+	}
+	if err := c.Unmap(ctx, "/dev/nbd5"); !errors.Is(err, control.ErrNotMapped) {
+		t.Fatalf("unmap of an unmapped device: %v", err)
+	}
+	if err := c.Unmap(ctx, "/dev/nbd0"); err != nil {
+		t.Fatalf("unmap: %v", err)
+	}
+	resp, _ := c.Call(ctx, control.Request{Op: "explode"}, false)
+	if resp.Err() == nil {
+		t.Fatal("unknown op accepted")
+	}
+	// A client that skips the check meets it in the daemon.
+	bad := control.Record{Index: control.AnyIndex, Spec: "mem:1M", Connections: 99}
+	resp, _ = c.Call(ctx, control.Request{Op: control.OpMap, Record: &bad}, false)
+	if err := resp.Err(); err == nil || !strings.Contains(err.Error(), "connections 99") {
+		t.Fatalf("daemon accepted a bad record: %v", err)
+	}
+}

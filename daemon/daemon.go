@@ -1,0 +1,134 @@
+// Package daemon is the node daemon: one long-lived process serving
+// every /dev/nbdX of the node. It holds the state directory's lock,
+// protects itself from memory-reclaim deadlocks, takes back every
+// recorded device (attach.Manager.Restore) before it answers, and
+// serves the control API (package control) on its socket.
+package daemon
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"runtime/pprof"
+	"strconv"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/attach"
+	"github.com/rbd-nbd-go/rbd-nbd-go/control"
+	"github.com/rbd-nbd-go/rbd-nbd-go/kernel"
+	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
+	"github.com/rbd-nbd-go/rbd-nbd-go/rbdio"
+)
+
+// Config is everything the daemon takes; cmd/ only fills it.
+type Config struct {
+	StateDir string
+	Module   kernel.ModuleOptions
+	Log      *slog.Logger
+	// Ready gets one line once the daemon serves (control.ReadyOK),
+	// or control.ReadyRunning if another daemon holds the state
+	// directory, or why it stopped; then it is closed. May be nil.
+	Ready io.WriteCloser
+	// KernelInterface "ioctl" forces the ioctl fallback on a kernel
+	// that has netlink (tests); empty picks netlink when it is there.
+	KernelInterface string
+	// CPUProfile, if set, profiles the daemon until it stops
+	// (development).
+	CPUProfile string
+}
+
+// Run serves until ctx ends. A daemon that finds another one holding
+// the state directory reports control.ReadyRunning and returns nil.
+// Devices stay in the kernel when it returns: the next daemon
+// reattaches them.
+func Run(ctx context.Context, cfg Config) (err error) {
+	log := cfg.Log
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	ready := cfg.Ready
+	if ready == nil {
+		ready = nopCloser{io.Discard}
+	}
+	readied := false
+	defer func() {
+		// Logged before the starter hears of it, so its "see
+		// daemon.log" is never ahead of the log.
+		if err != nil {
+			log.Error("daemon stopped", "err", err)
+		}
+		if !readied {
+			if err != nil {
+				fmt.Fprintf(ready, "%s\n", err)
+			}
+			ready.Close()
+		}
+	}()
+	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
+		return err
+	}
+	lock, err := os.OpenFile(filepath.Join(cfg.StateDir, "daemon.lock"), os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		return err
+	}
+	defer lock.Close()
+	if err := unix.Flock(int(lock.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		fmt.Fprintln(ready, control.ReadyRunning)
+		return nil
+	}
+	lock.Truncate(0)
+	lock.WriteString(strconv.Itoa(os.Getpid()) + "\n")
+	if cfg.CPUProfile != "" {
+		if f, err := os.Create(cfg.CPUProfile); err == nil {
+			pprof.StartCPUProfile(f)
+			defer func() { pprof.StopCPUProfile(); f.Close() }()
+		}
+	}
+	protectFromReclaim(log)
+	ctl, err := kernel.Open(cfg.Module)
+	if err != nil {
+		return err
+	}
+	if cfg.KernelInterface == "ioctl" && ctl.Name() != "ioctl" {
+		ctl.Close()
+		ctl = kernel.NewIoctl()
+	}
+	defer ctl.Close()
+	store, err := attach.OpenStore(cfg.StateDir)
+	if err != nil {
+		return err
+	}
+	m := attach.NewManager(attach.Config{Kernel: ctl, Clusters: rbdio.NewClusters(), Store: store, Log: log})
+	if err := m.Restore(); err != nil {
+		log.Error("some devices were not reattached", "err", err)
+	}
+	l, err := nbd.ListenUnix(control.SocketPath(cfg.StateDir))
+	if err != nil {
+		m.Close()
+		return err
+	}
+	if ctl.Name() == "netlink" {
+		go func() {
+			if err := kernel.WatchLinkDead(ctx, m.ReplaceDead); err != nil {
+				log.Warn("not watching LINK_DEAD", "err", err)
+			}
+		}()
+	}
+	log.Info("serving NBD devices", "pid", os.Getpid(), "kernel", ctl.Name(), "state", cfg.StateDir,
+		"devices", len(m.List()))
+	fmt.Fprintln(ready, control.ReadyOK)
+	ready.Close()
+	readied = true
+	serr := Serve(ctx, l, m, log)
+	log.Info("stopping; devices stay mapped for the next daemon")
+	return errors.Join(serr, m.Close())
+}
+
+type nopCloser struct{ io.Writer }
+
+func (nopCloser) Close() error { return nil }
