@@ -59,7 +59,7 @@ func (c *Clusters) ioctx(o ceph.Options, spec ceph.ImageSpec) (*rados.IOContext,
 	if err != nil {
 		release()
 		if cephErrno(err) == syscall.ENOENT {
-			return nil, nil, fmt.Errorf("pool %q does not exist", spec.Pool)
+			return nil, nil, matching{fmt.Errorf("pool %q does not exist", spec.Pool), ceph.ErrPoolNotFound}
 		}
 		return nil, nil, fmt.Errorf("pool %q: %w", spec.Pool, err)
 	}
@@ -140,13 +140,13 @@ func describeConnectError(o ceph.Options, err error) error {
 	if code := cephErrno(err); code != 0 {
 		switch code {
 		case syscall.EACCES, syscall.EPERM:
-			return fmt.Errorf("connect to ceph as %s: permission denied (wrong key or keyring?)", who)
+			return matching{fmt.Errorf("connect to ceph as %s: permission denied (wrong key or keyring?)", who), ceph.ErrPermission}
 		case syscall.ETIMEDOUT:
-			return fmt.Errorf("connect to ceph as %s: no monitor answered within %s", who, o.Timeout())
+			return matching{fmt.Errorf("connect to ceph as %s: no monitor answered within %s", who, o.Timeout()), ceph.ErrUnreachable}
 		case syscall.ENOENT:
-			return fmt.Errorf("connect to ceph as %s: no key found for this user (give --keyring or --keyfile)", who)
+			return matching{fmt.Errorf("connect to ceph as %s: no key found for this user (give --keyring or --keyfile)", who), ceph.ErrPermission}
 		case syscall.EINVAL:
-			return fmt.Errorf("connect to ceph as %s: invalid argument (malformed key, or a bad ceph option)", who)
+			return matching{fmt.Errorf("connect to ceph as %s: invalid argument (malformed key, or a bad ceph option)", who), ceph.ErrPermission}
 		}
 	}
 	return fmt.Errorf("connect to ceph as %s: %w", who, err)
