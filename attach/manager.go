@@ -490,6 +490,32 @@ func (m *Manager) Restore() error {
 	return errors.Join(errs...)
 }
 
+// Status reports how the device at target (path or spec) is doing.
+func (m *Manager) Status(target string) (control.Status, error) {
+	d, err := m.lockTarget(target)
+	if err != nil {
+		return control.Status{}, err
+	}
+	defer d.mu.Unlock()
+	st := control.Status{Record: d.rec, Connections: d.rec.Connections}
+	if d.s == nil {
+		return st, nil
+	}
+	st.Served = true
+	st.Live = int(d.s.live.Load())
+	st.Size = d.s.opened.Backend.Size()
+	if u, ok := d.s.opened.Backend.(interface{ Used() (uint64, error) }); ok {
+		if n, err := u.Used(); err != nil {
+			st.UsedError = err.Error()
+		} else {
+			st.Used = &n
+		}
+	} else {
+		st.UsedError = "the backend cannot tell its allocation"
+	}
+	return st, nil
+}
+
 // List returns every device, ordered by index.
 func (m *Manager) List() []control.Record {
 	m.mu.Lock()

@@ -90,6 +90,25 @@ func (c *Client) List(ctx context.Context) (Listing, error) {
 	return Listing{PID: resp.PID, Devices: resp.List}, err
 }
 
+// Status reports how a device (path or spec) is doing; ErrNotMapped if
+// the daemon does not have it.
+func (c *Client) Status(ctx context.Context, target string) (Status, error) {
+	resp, err := c.Call(ctx, Request{Op: OpStatus, Target: target}, false)
+	if errors.Is(err, ErrNoDaemon) {
+		return Status{}, ErrNotMapped
+	}
+	if err == nil {
+		err = resp.Err()
+	}
+	if err == nil && resp.Status == nil {
+		err = errors.New("the daemon answered without a status")
+	}
+	if err != nil {
+		return Status{}, err
+	}
+	return *resp.Status, nil
+}
+
 // Ping reports whether a daemon answers, without starting one.
 func (c *Client) Ping(ctx context.Context) error {
 	_, err := c.call(ctx, Request{Op: OpPing})

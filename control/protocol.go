@@ -17,6 +17,7 @@ const (
 	OpDetach = "detach"
 	OpList   = "list"
 	OpPing   = "ping"
+	OpStatus = "status"
 )
 
 // Request is one call to the daemon.
@@ -40,6 +41,26 @@ type Response struct {
 	PID    int      `json:"pid"`
 	Record *Record  `json:"record,omitempty"`
 	List   []Record `json:"list,omitempty"`
+	Status *Status  `json:"status,omitempty"`
+}
+
+// Status is how a device is doing, as the daemon sees it: what a CSI
+// driver's volume health and raw-block statistics need.
+type Status struct {
+	Record Record `json:"record"`
+	// Served: the daemon serves the device (not detached).
+	Served bool `json:"served"`
+	// Connections is how many the device has; Live how many of them the
+	// daemon is serving now. Live 0 on a served device means the kernel
+	// has no working connection (it waits for a reattach, or gave up).
+	Connections int `json:"connections"`
+	Live        int `json:"live"`
+	// Size is the backend's size in bytes.
+	Size uint64 `json:"size"`
+	// Used is the bytes the image has allocated, when the backend can
+	// tell cheaply (RBD with fast-diff); UsedError says why not.
+	Used      *uint64 `json:"used,omitempty"`
+	UsedError string  `json:"used_error,omitempty"`
 }
 
 // ErrNotMapped: the device or spec is not served on this node.

@@ -80,6 +80,13 @@ func handle(m *attach.Manager, req control.Request) control.Response {
 		return one(control.Record{}, m.Unmap(req.Target))
 	case control.OpDetach:
 		return one(control.Record{}, m.Detach(req.Target))
+	case control.OpStatus:
+		st, err := m.Status(req.Target)
+		if err != nil {
+			return control.Failure(err)
+		}
+		st.Record = st.Record.Public()
+		return control.Response{Status: &st}
 	}
 	return control.Failure(fmt.Errorf("unknown request %q", req.Op))
 }

@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
+	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
 )
 
 func TestImageManagement(t *testing.T) {
@@ -61,5 +62,24 @@ func TestImageManagement(t *testing.T) {
 	}
 	if _, err := cl.PoolAvailable(opts(), "nopool"); !errors.Is(err, ceph.ErrPoolNotFound) {
 		t.Fatalf("missing pool: %v", err)
+	}
+}
+
+func TestUsed(t *testing.T) {
+	spec := newImage(t, "64M") // rbd's default features: fast-diff on
+	im := open(t, NewClusters(), spec, OpenOptions{})
+	if used, err := im.Used(); err != nil || used != 0 {
+		t.Fatalf("fresh image: %d %v", used, err)
+	}
+	buf := make([]byte, 4096)
+	buf[0] = 1
+	for _, off := range []uint64{0, 8 << 20, 8<<20 + 4096} {
+		if err := do(t, im, nbd.OpWrite, 0, off, buf, len(buf)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Two 4 MiB objects touched.
+	if used, err := im.Used(); err != nil || used != 8<<20 {
+		t.Fatalf("used %d %v, want 8 MiB", used, err)
 	}
 }
