@@ -17,6 +17,9 @@ var (
 	// ErrPermission: the cluster refused the credentials or the
 	// operation.
 	ErrPermission = errors.New("permission denied")
+	// ErrLocked: another client holds the image's exclusive lock (it
+	// is mapped for writing somewhere else).
+	ErrLocked = errors.New("exclusive lock held by another client")
 	// ErrUnreachable: no monitor answered in time.
 	ErrUnreachable = errors.New("cluster unreachable")
 )

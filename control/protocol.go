@@ -3,6 +3,8 @@ package control
 import (
 	"errors"
 	"path/filepath"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
 )
 
 // The daemon answers one JSON Request with one JSON Response per
@@ -33,6 +35,20 @@ const (
 	CodeBusy      = "busy"
 	CodeError     = "error"
 )
+
+// sentinels cross the socket as codes, so a client's errors.Is sees what
+// the daemon saw: ceph's (image or pool missing, permission, lock held,
+// cluster unreachable) as well as the daemon's own.
+var sentinels = map[string]error{
+	CodeNotMapped:     ErrNotMapped,
+	CodeBusy:          ErrBusy,
+	"image_not_found": ceph.ErrImageNotFound,
+	"pool_not_found":  ceph.ErrPoolNotFound,
+	"permission":      ceph.ErrPermission,
+	"locked":          ceph.ErrLocked,
+	"unreachable":     ceph.ErrUnreachable,
+	"in_use":          ceph.ErrImageInUse,
+}
 
 // Response is the daemon's answer. Records in it never carry secrets.
 type Response struct {
@@ -73,11 +89,10 @@ var ErrBusy = errors.New("device is busy")
 // survives the trip (Response.Err).
 func Failure(err error) Response {
 	r := Response{Code: CodeError, Error: err.Error()}
-	switch {
-	case errors.Is(err, ErrNotMapped):
-		r.Code = CodeNotMapped
-	case errors.Is(err, ErrBusy):
-		r.Code = CodeBusy
+	for code, s := range sentinels {
+		if errors.Is(err, s) {
+			r.Code = code
+		}
 	}
 	return r
 }
@@ -89,8 +104,9 @@ func (r Response) Err() error {
 		return nil
 	case CodeNotMapped:
 		return ErrNotMapped
-	case CodeBusy:
-		return codeError{r.Error, ErrBusy}
+	}
+	if s, ok := sentinels[r.Code]; ok {
+		return codeError{r.Error, s}
 	}
 	return errors.New(r.Error)
 }

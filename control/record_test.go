@@ -1,6 +1,8 @@
 package control
 
 import (
+	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -38,5 +40,21 @@ func TestPublicDropsSecrets(t *testing.T) {
 	r := Record{Ceph: ceph.Options{Key: "AQD"}, Encryption: ceph.Encryption{Format: "luks", Passphrase: "p"}}
 	if p := r.Public(); p.Ceph.Key != "" || p.Encryption.Passphrase != "" || p.Encryption.Format != "luks" {
 		t.Fatalf("%+v", p)
+	}
+}
+
+func TestSentinelsCrossTheSocket(t *testing.T) {
+	for _, s := range []error{ErrBusy, ceph.ErrImageNotFound, ceph.ErrPoolNotFound, ceph.ErrPermission,
+		ceph.ErrLocked, ceph.ErrUnreachable, ceph.ErrImageInUse} {
+		err := Failure(fmt.Errorf("wrapped: %w", s)).Err()
+		if !errors.Is(err, s) || !strings.Contains(err.Error(), "wrapped: ") {
+			t.Errorf("%v came back as %v", s, err)
+		}
+	}
+	if err := Failure(ErrNotMapped).Err(); !errors.Is(err, ErrNotMapped) {
+		t.Errorf("not mapped came back as %v", err)
+	}
+	if err := Failure(errors.New("other")).Err(); err == nil || err.Error() != "other" {
+		t.Errorf("plain error came back as %v", err)
 	}
 }

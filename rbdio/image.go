@@ -88,9 +88,9 @@ func Open(clusters *Clusters, o ceph.Options, spec ceph.ImageSpec, oo OpenOption
 		im.release()
 		switch {
 		case errors.Is(err, syscall.ENOENT) && spec.Snap != "":
-			return nil, fmt.Errorf("image %s: image or snapshot does not exist", spec)
+			return nil, matching{fmt.Errorf("image %s: image or snapshot does not exist", spec), ceph.ErrImageNotFound}
 		case errors.Is(err, syscall.ENOENT):
-			return nil, fmt.Errorf("image %s does not exist", spec)
+			return nil, matching{fmt.Errorf("image %s does not exist", spec), ceph.ErrImageNotFound}
 		}
 		return nil, fmt.Errorf("open image %s: %w", spec, err)
 	}
@@ -129,7 +129,7 @@ func (im *Image) start(oo OpenOptions) error {
 		}
 		if err := im.img.lockExclusive(); err != nil {
 			if errors.Is(err, syscall.EROFS) || errors.Is(err, syscall.EBUSY) {
-				return fmt.Errorf("image %s: exclusive lock is held by another client", im.spec)
+				return matching{fmt.Errorf("image %s: exclusive lock is held by another client", im.spec), ceph.ErrLocked}
 			}
 			return fmt.Errorf("image %s: exclusive lock: %w", im.spec, err)
 		}

@@ -21,6 +21,9 @@ type exitError struct {
 
 func (e *exitError) Error() string { return e.msg }
 
+// version is set at build time (-ldflags "-X main.version=...").
+var version = "dev"
+
 // Exit statuses besides 0 and 1 (any other failure).
 const exitNotMapped = 3
 
@@ -48,7 +51,8 @@ func newRoot() *cobra.Command {
 	}
 	g := &globalOpts{}
 	addGlobalFlags(root.PersistentFlags(), g)
-	root.AddCommand(newServe(g), newMap(g), newAttach(g), newUnmap(g), newDetach(g), newListMapped(g), newDaemon(g))
+	root.AddCommand(newServe(g), newMap(g), newAttach(g), newUnmap(g), newDetach(g), newListMapped(g), newDaemon(g),
+		newCSI(g, version))
 	return root
 }
 

@@ -1,0 +1,103 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/spf13/cobra"
+	"k8s.io/klog/v2"
+	"k8s.io/mount-utils"
+	utilexec "k8s.io/utils/exec"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/csi"
+	"github.com/rbd-nbd-go/rbd-nbd-go/rbdio"
+)
+
+type csiOpts struct {
+	endpoint, nodeID, driverName string
+	controller, node             bool
+	clustersConfig               string
+	nodeRegistry                 string
+}
+
+// newCSI is the CSI driver's entry point, with ceph-csi's flag names:
+// one image serves the controller and the node roles.
+func newCSI(g *globalOpts, version string) *cobra.Command {
+	var o csiOpts
+	cmd := &cobra.Command{
+		Use:   "csi --endpoint unix:///csi/csi.sock [--controllerserver] [--nodeserver --nodeid NODE]",
+		Short: "Serve the CSI driver (controller and/or node service)",
+		Long: `Serve the CSI driver: the controller service (image management through
+librbd) and/or the node service (stage/publish through this node's
+rbd-nbd-go daemon, which it starts at once so that a restarted plugin's
+devices are reattached before I/O times out). The clusters config,
+StorageClass parameters and Secret keys are ceph-csi's.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return runCSI(g, o, version)
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&o.endpoint, "endpoint", "unix:///csi/csi.sock", "CSI endpoint (unix:///path or tcp://host:port)")
+	f.StringVar(&o.nodeID, "nodeid", "", "this node's ID (the node service needs it)")
+	f.StringVar(&o.driverName, "drivername", csi.DefaultDriverName, "CSI driver name")
+	f.BoolVar(&o.controller, "controllerserver", false, "serve the controller service")
+	f.BoolVar(&o.node, "nodeserver", false, "serve the node service")
+	f.StringVar(&o.clustersConfig, "clusters-config", "/etc/ceph-csi-config/config.json",
+		"ceph-csi's clusters config.json: clusterID, monitors, rbd.radosNamespace")
+	f.StringVar(&o.nodeRegistry, "node-registry", "",
+		"directory shared by controller and nodes: nodes register there and ControllerPublish refuses unknown node IDs (default: accept any)")
+	return cmd
+}
+
+func runCSI(g *globalOpts, o csiOpts, version string) error {
+	if !o.controller && !o.node {
+		return fmt.Errorf("give --controllerserver, --nodeserver or both")
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	log := logger(g.logLevel)
+	klog.SetSlogLogger(log) // mount-utils logs through klog
+	cfg := csi.Config{Name: o.driverName, Version: version, NodeID: o.nodeID, Controller: o.controller,
+		Node: o.node, ClustersConfig: o.clustersConfig, StateDir: g.stateDir, Log: log}
+	if o.nodeRegistry != "" {
+		reg := csi.DirRegistry{Dir: o.nodeRegistry}
+		if o.controller {
+			cfg.Nodes = reg
+		}
+		if o.node {
+			if err := reg.Register(o.nodeID); err != nil {
+				return fmt.Errorf("node registry: %w", err)
+			}
+		}
+	}
+	if o.controller {
+		cfg.Images = rbdio.NewClusters()
+	}
+	if o.node {
+		c := g.client(0, 0)
+		// Start the daemon now, not on the first request: after a
+		// restart it must take every device back before the kernel's
+		// dead-connection timeout fails their I/O.
+		sctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
+		err := c.EnsureRunning(sctx)
+		cancel()
+		if err != nil {
+			return fmt.Errorf("node daemon: %w", err)
+		}
+		cfg.Attacher = c
+		cfg.Mounter = mount.NewSafeFormatAndMount(mount.New(""), utilexec.New())
+	}
+	d, err := csi.New(cfg)
+	if err != nil {
+		return err
+	}
+	l, err := csi.Listen(o.endpoint)
+	if err != nil {
+		return err
+	}
+	return d.Serve(ctx, l)
+}

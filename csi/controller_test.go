@@ -1,0 +1,246 @@
+package csi
+
+import (
+	"context"
+	"strings"
+	"testing"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// wantCode fails unless err has code c and its message contains each of
+// subs.
+func wantCode(t *testing.T, what string, err error, c codes.Code, subs ...string) {
+	t.Helper()
+	if status.Code(err) != c {
+		t.Errorf("%s: got %v, want %v", what, err, c)
+		return
+	}
+	for _, s := range subs {
+		if !strings.Contains(status.Convert(err).Message(), s) {
+			t.Errorf("%s: message %q does not say %q", what, status.Convert(err).Message(), s)
+		}
+	}
+}
+
+func TestCreateVolumeValidation(t *testing.T) {
+	r := newRig(t)
+	ctx := context.Background()
+	caps := []*csi.VolumeCapability{mountCap("ext4", rwo)}
+	params := map[string]string{"clusterID": "c1"}
+	for _, tc := range []struct {
+		name string
+		req  *csi.CreateVolumeRequest
+		code codes.Code
+		says string
+	}{
+		{"no name", &csi.CreateVolumeRequest{VolumeCapabilities: caps, Parameters: params, Secrets: goodSecrets}, codes.InvalidArgument, "name"},
+		{"no capabilities", &csi.CreateVolumeRequest{Name: "v", Parameters: params, Secrets: goodSecrets}, codes.InvalidArgument, "capabilit"},
+		{"unknown parameter", &csi.CreateVolumeRequest{Name: "v", VolumeCapabilities: caps, Secrets: goodSecrets,
+			Parameters: map[string]string{"clusterID": "c1", "fsName": "x"}}, codes.InvalidArgument, `"fsName"`},
+		{"no clusterID", &csi.CreateVolumeRequest{Name: "v", VolumeCapabilities: caps, Secrets: goodSecrets,
+			Parameters: map[string]string{"pool": "rbd"}}, codes.InvalidArgument, "clusterID"},
+		{"unknown clusterID", &csi.CreateVolumeRequest{Name: "v", VolumeCapabilities: caps, Secrets: goodSecrets,
+			Parameters: map[string]string{"clusterID": "nope"}}, codes.InvalidArgument, `"nope" is not in the clusters config`},
+		{"cluster without monitors", &csi.CreateVolumeRequest{Name: "v", VolumeCapabilities: caps, Secrets: goodSecrets,
+			Parameters: map[string]string{"clusterID": "nomons"}}, codes.InvalidArgument, "no monitors"},
+		{"bad feature", &csi.CreateVolumeRequest{Name: "v", VolumeCapabilities: caps, Secrets: goodSecrets,
+			Parameters: map[string]string{"clusterID": "c1", "imageFeatures": "layering,turbo"}}, codes.InvalidArgument, `"imageFeatures": unknown RBD image feature "turbo"`},
+		{"bad nbd map option", &csi.CreateVolumeRequest{Name: "v", VolumeCapabilities: caps, Secrets: goodSecrets,
+			Parameters: map[string]string{"clusterID": "c1", "mapOptions": "krbd:lock_on_read;nbd:warp=9"}}, codes.InvalidArgument, "warp"},
+		{"too many connections", &csi.CreateVolumeRequest{Name: "v", VolumeCapabilities: caps, Secrets: goodSecrets,
+			Parameters: map[string]string{"clusterID": "c1", "mapOptions": "nbd:connections=99"}}, codes.InvalidArgument, "connections 99"},
+		{"no secrets", &csi.CreateVolumeRequest{Name: "v", VolumeCapabilities: caps, Parameters: params}, codes.InvalidArgument, "userID"},
+		{"wrong key", &csi.CreateVolumeRequest{Name: "v", VolumeCapabilities: caps, Parameters: params,
+			Secrets: map[string]string{"userID": "csi", "userKey": "AQDwrong"}}, codes.PermissionDenied, "permission"},
+		{"missing pool", &csi.CreateVolumeRequest{Name: "v", VolumeCapabilities: caps, Secrets: goodSecrets,
+			Parameters: map[string]string{"clusterID": "c1", "pool": "gone"}}, codes.InvalidArgument, `"pool"`},
+		{"limit below a MiB", &csi.CreateVolumeRequest{Name: "v", VolumeCapabilities: caps, Parameters: params, Secrets: goodSecrets,
+			CapacityRange: &csi.CapacityRange{RequiredBytes: 1000, LimitBytes: 2000}}, codes.OutOfRange, "limit"},
+		{"shared filesystem", &csi.CreateVolumeRequest{Name: "v", Parameters: params, Secrets: goodSecrets,
+			VolumeCapabilities: []*csi.VolumeCapability{mountCap("ext4", csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)}},
+			codes.InvalidArgument, "block access"},
+		{"bad fstype", &csi.CreateVolumeRequest{Name: "v", Parameters: params, Secrets: goodSecrets,
+			VolumeCapabilities: []*csi.VolumeCapability{mountCap("vfat", rwo)}}, codes.InvalidArgument, "vfat"},
+		{"content source", &csi.CreateVolumeRequest{Name: "v", Parameters: params, Secrets: goodSecrets, VolumeCapabilities: caps,
+			VolumeContentSource: &csi.VolumeContentSource{}}, codes.InvalidArgument, "snapshots"},
+	} {
+		_, err := r.d.CreateVolume(ctx, tc.req)
+		wantCode(t, tc.name, err, tc.code, tc.says)
+	}
+	if len(r.images.images) != 0 {
+		t.Fatalf("a refused request left images: %v", r.images.images)
+	}
+	// Secrets never in a message or the log.
+	if strings.Contains(r.logs.String(), "AQD") {
+		t.Fatal("a key reached the log")
+	}
+}
+
+func TestCreateVolumeIdempotent(t *testing.T) {
+	r := newRig(t)
+	v1 := r.create(t, "pvc-1", 10<<20+1, nil)
+	if v1.CapacityBytes != 11<<20 {
+		t.Fatalf("capacity %d, want whole MiB above the request", v1.CapacityBytes)
+	}
+	if !strings.HasPrefix(v1.VolumeId, "nbd1/c1/rbd//csi-vol-") || v1.VolumeContext["clusterID"] != "c1" {
+		t.Fatalf("volume %+v", v1)
+	}
+	v2 := r.create(t, "pvc-1", 10<<20+1, nil)
+	if v2.VolumeId != v1.VolumeId || v2.CapacityBytes != v1.CapacityBytes || len(r.images.images) != 1 {
+		t.Fatalf("repeat made another volume: %v %v", v1, v2)
+	}
+	info := r.images.images["rbd/"+imageName("pvc-1")]
+	if info.Meta[metaName] != "pvc-1" || !contains(info.Features, "exclusive-lock") || !contains(info.Features, "fast-diff") {
+		t.Fatalf("image %+v", info)
+	}
+	_, err := r.d.CreateVolume(context.Background(), &csi.CreateVolumeRequest{Name: "pvc-1",
+		CapacityRange:      &csi.CapacityRange{RequiredBytes: 20 << 20, LimitBytes: 20 << 20},
+		VolumeCapabilities: []*csi.VolumeCapability{mountCap("ext4", rwo)},
+		Parameters:         map[string]string{"clusterID": "c1"}, Secrets: goodSecrets})
+	wantCode(t, "same name, other size", err, codes.AlreadyExists, "pvc-1")
+	// The namespace of the cluster's config is part of the ID.
+	v3 := r.create(t, "pvc-ns", 1<<20, map[string]string{"clusterID": "ns", "imageFeatures": "layering"})
+	if v3.VolumeId != "nbd1/ns/rbd/tenant/"+imageName("pvc-ns") {
+		t.Fatalf("namespaced volume ID %s", v3.VolumeId)
+	}
+	// RWO needs the lock: exclusive-lock is added to a layering-only list.
+	if f := r.images.images["rbd/tenant/"+imageName("pvc-ns")].Features; !contains(f, "exclusive-lock") {
+		t.Fatalf("features %v", f)
+	}
+}
+
+func TestDeleteVolume(t *testing.T) {
+	r := newRig(t)
+	ctx := context.Background()
+	v := r.create(t, "pvc-d", 1<<20, nil)
+	_, err := r.d.DeleteVolume(ctx, &csi.DeleteVolumeRequest{})
+	wantCode(t, "no ID", err, codes.InvalidArgument)
+	for _, id := range []string{"fake-vol-id", "nbd1/c1/rbd//nothing-here"} {
+		if _, err := r.d.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id, Secrets: goodSecrets}); err != nil {
+			t.Errorf("delete %s: %v", id, err)
+		}
+	}
+	r.images.setWatchers("rbd/"+imageName("pvc-d"), 1)
+	_, err = r.d.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: v.VolumeId, Secrets: goodSecrets})
+	wantCode(t, "mapped somewhere", err, codes.FailedPrecondition, "still mapped")
+	if len(r.images.images) != 1 {
+		t.Fatal("a mapped volume was deleted")
+	}
+	r.images.setWatchers("rbd/"+imageName("pvc-d"), 0)
+	for range 2 {
+		if _, err := r.d.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: v.VolumeId, Secrets: goodSecrets}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if len(r.images.images) != 0 {
+		t.Fatal("not deleted")
+	}
+	_, err = r.d.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: "nbd1/gone/rbd//x", Secrets: goodSecrets})
+	wantCode(t, "cluster not in the config", err, codes.InvalidArgument, "clusters config")
+}
+
+func TestExpandVolume(t *testing.T) {
+	r := newRig(t)
+	ctx := context.Background()
+	v := r.create(t, "pvc-e", 1<<20, nil)
+	_, err := r.d.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: v.VolumeId, Secrets: goodSecrets})
+	wantCode(t, "no range", err, codes.InvalidArgument)
+	_, err = r.d.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: "nbd1/c1/rbd//nope",
+		CapacityRange: &csi.CapacityRange{RequiredBytes: 2 << 20}, Secrets: goodSecrets})
+	wantCode(t, "missing volume", err, codes.NotFound)
+	resp, err := r.d.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: v.VolumeId,
+		CapacityRange: &csi.CapacityRange{RequiredBytes: 3<<20 - 5}, Secrets: goodSecrets,
+		VolumeCapability: mountCap("xfs", rwo)})
+	if err != nil || resp.CapacityBytes != 3<<20 || !resp.NodeExpansionRequired {
+		t.Fatalf("expand %+v %v", resp, err)
+	}
+	resp, err = r.d.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: v.VolumeId,
+		CapacityRange: &csi.CapacityRange{RequiredBytes: 2 << 20}, VolumeCapability: blockCap(rwo)})
+	if err != nil || resp.CapacityBytes != 3<<20 || resp.NodeExpansionRequired {
+		t.Fatalf("no shrink, block needs no node step, remembered credentials: %+v %v", resp, err)
+	}
+}
+
+func TestListVolumesAndCapacity(t *testing.T) {
+	r := newRig(t)
+	ctx := context.Background()
+	for _, n := range []string{"a", "b", "c", "d", "e"} {
+		r.create(t, n, 1<<20, nil)
+	}
+	var ids []string
+	token := ""
+	for {
+		resp, err := r.d.ListVolumes(ctx, &csi.ListVolumesRequest{MaxEntries: 2, StartingToken: token})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range resp.Entries {
+			ids = append(ids, e.Volume.VolumeId)
+		}
+		if token = resp.NextToken; token == "" {
+			break
+		}
+	}
+	if len(ids) != 5 {
+		t.Fatalf("listed %v", ids)
+	}
+	_, err := r.d.ListVolumes(ctx, &csi.ListVolumesRequest{StartingToken: "invalid-token"})
+	wantCode(t, "bad token", err, codes.Aborted)
+	_, err = r.d.ListVolumes(ctx, &csi.ListVolumesRequest{StartingToken: "99"})
+	wantCode(t, "token past the end", err, codes.Aborted)
+	resp, err := r.d.GetCapacity(ctx, &csi.GetCapacityRequest{Parameters: map[string]string{"clusterID": "c1", "pool": "rbd"}})
+	if err != nil || resp.AvailableCapacity != 5<<30 {
+		t.Fatalf("capacity %+v %v", resp, err)
+	}
+	if resp, err := r.d.GetCapacity(ctx, &csi.GetCapacityRequest{}); err != nil || resp.AvailableCapacity != 0 {
+		t.Fatalf("capacity without parameters %+v %v", resp, err)
+	}
+	_, err = r.d.GetCapacity(ctx, &csi.GetCapacityRequest{Parameters: map[string]string{"clusterID": "ns"}})
+	wantCode(t, "no credentials yet", err, codes.Unavailable)
+}
+
+func TestControllerPublish(t *testing.T) {
+	r := newRig(t)
+	ctx := context.Background()
+	v := r.create(t, "pvc-p", 1<<20, nil)
+	c := mountCap("ext4", rwo)
+	for _, tc := range []struct {
+		name string
+		req  *csi.ControllerPublishVolumeRequest
+		code codes.Code
+	}{
+		{"no volume", &csi.ControllerPublishVolumeRequest{NodeId: "node-1", VolumeCapability: c}, codes.InvalidArgument},
+		{"no node", &csi.ControllerPublishVolumeRequest{VolumeId: v.VolumeId, VolumeCapability: c}, codes.InvalidArgument},
+		{"no capability", &csi.ControllerPublishVolumeRequest{VolumeId: v.VolumeId, NodeId: "node-1"}, codes.InvalidArgument},
+		{"unknown node", &csi.ControllerPublishVolumeRequest{VolumeId: v.VolumeId, NodeId: "fake-node-id-1", VolumeCapability: c}, codes.NotFound},
+		{"malformed volume", &csi.ControllerPublishVolumeRequest{VolumeId: "fake-vol-id-1", NodeId: "node-1", VolumeCapability: c}, codes.NotFound},
+		{"missing volume", &csi.ControllerPublishVolumeRequest{VolumeId: "nbd1/c1/rbd//nope", NodeId: "node-1", VolumeCapability: c}, codes.NotFound},
+	} {
+		_, err := r.d.ControllerPublishVolume(ctx, tc.req)
+		wantCode(t, tc.name, err, tc.code)
+	}
+	resp, err := r.d.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: v.VolumeId,
+		NodeId: "node-1", VolumeCapability: mountCap("ext4", csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY)})
+	if err != nil || resp.PublishContext[publishReadOnly] != "true" {
+		t.Fatalf("publish %+v %v", resp, err)
+	}
+	if _, err := r.d.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: "gone", NodeId: "node-1"}); err != nil {
+		t.Fatal(err)
+	}
+	vr, err := r.d.ValidateVolumeCapabilities(ctx, &csi.ValidateVolumeCapabilitiesRequest{VolumeId: v.VolumeId,
+		VolumeCapabilities: []*csi.VolumeCapability{c}})
+	if err != nil || vr.Confirmed == nil {
+		t.Fatalf("validate %+v %v", vr, err)
+	}
+	vr, err = r.d.ValidateVolumeCapabilities(ctx, &csi.ValidateVolumeCapabilitiesRequest{VolumeId: v.VolumeId,
+		VolumeCapabilities: []*csi.VolumeCapability{mountCap("ext4", csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)}})
+	if err != nil || vr.Confirmed != nil || vr.Message == "" {
+		t.Fatalf("validate of a shared filesystem %+v %v", vr, err)
+	}
+	_, err = r.d.ValidateVolumeCapabilities(ctx, &csi.ValidateVolumeCapabilitiesRequest{VolumeId: "fake-vol-id-x",
+		VolumeCapabilities: []*csi.VolumeCapability{c}})
+	wantCode(t, "validate unknown", err, codes.NotFound)
+}

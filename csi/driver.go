@@ -1,0 +1,186 @@
+package csi
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"k8s.io/mount-utils"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
+	"github.com/rbd-nbd-go/rbd-nbd-go/control"
+)
+
+// DefaultDriverName is the CSI driver name unless --drivername says
+// otherwise: DNS-style, ours, and distinct from ceph-csi's
+// rbd.csi.ceph.com so both can run side by side during a migration.
+const DefaultDriverName = "rbd-nbd-go.csi.io"
+
+// Images is the controller's image management (rbdio.Clusters).
+type Images interface {
+	CreateImage(o ceph.Options, spec ceph.ImageSpec, n ceph.NewImage) error
+	ImageInfo(o ceph.Options, spec ceph.ImageSpec) (ceph.ImageInfo, error)
+	ResizeImage(o ceph.Options, spec ceph.ImageSpec, size uint64) error
+	RemoveImage(o ceph.Options, spec ceph.ImageSpec) error
+	ListImages(o ceph.Options, spec ceph.ImageSpec, metaKey string) ([]ceph.ImageInfo, error)
+	PoolAvailable(o ceph.Options, pool string) (uint64, error)
+	Ping(o ceph.Options) error
+}
+
+// Attacher is the node service's way to the node daemon
+// (control.Client).
+type Attacher interface {
+	Map(ctx context.Context, rec control.Record) (control.Record, error)
+	Unmap(ctx context.Context, target string) error
+	List(ctx context.Context) (control.Listing, error)
+	Status(ctx context.Context, target string) (control.Status, error)
+	Ping(ctx context.Context) error
+}
+
+// NodeRegistry says whether a node ID names a node running our node
+// plugin; ControllerPublish refuses others with NotFound.
+type NodeRegistry interface {
+	NodeExists(ctx context.Context, nodeID string) (bool, error)
+}
+
+// Config is everything the driver takes; cmd/ fills it from flags.
+type Config struct {
+	Name, Version string
+	NodeID        string
+	Controller    bool
+	Node          bool
+	// ClustersConfig is ceph-csi's config.json.
+	ClustersConfig string
+	// StateDir holds the node's stage records (csi/) beside the node
+	// daemon's own state.
+	StateDir string
+
+	Images   Images   // controller
+	Attacher Attacher // node
+	// Mounter formats and mounts (node); its Exec also runs resize
+	// tools.
+	Mounter *mount.SafeFormatAndMount
+	// Nodes, if set, is checked by ControllerPublish; nil accepts any
+	// node ID (Kubernetes' attacher only publishes to nodes whose
+	// CSINode lists this driver).
+	Nodes NodeRegistry
+	// Connections per device unless the StorageClass's map options say;
+	// 0 means min(CPUs, 4).
+	Connections int
+	// SlowCall: calls taking longer are logged as slow (default 10s).
+	SlowCall time.Duration
+	// DeviceWait bounds NodeExpand's wait for the device to show the new
+	// size (default 2 minutes).
+	DeviceWait time.Duration
+	// SysBlock is /sys/block unless tests move it.
+	SysBlock string
+	Log      *slog.Logger
+}
+
+// Driver implements the CSI services selected in its Config.
+type Driver struct {
+	csi.UnimplementedIdentityServer
+	csi.UnimplementedControllerServer
+	csi.UnimplementedNodeServer
+
+	cfg      Config
+	log      *slog.Logger
+	clusters clusters
+	locks    *keyLocks
+	state    *stageStore
+
+	// creds remembers, per clusterID, the last credentials a request
+	// carried, in memory only: ListVolumes, GetCapacity and
+	// ControllerPublish carry no secrets.
+	credsMu sync.Mutex
+	creds   map[string]credentials
+	pools   map[poolKey]bool // where ListVolumes looks
+
+	requestSeq atomic.Uint64 // request IDs in the logs
+}
+
+// New checks cfg and returns a driver.
+func New(cfg Config) (*Driver, error) {
+	if cfg.Name == "" {
+		cfg.Name = DefaultDriverName
+	}
+	if !cfg.Controller && !cfg.Node {
+		return nil, errors.New("neither the controller nor the node service is enabled")
+	}
+	if cfg.Controller && cfg.Images == nil {
+		return nil, errors.New("the controller service needs image management")
+	}
+	if cfg.Node {
+		if cfg.NodeID == "" {
+			return nil, errors.New("the node service needs a node ID (--nodeid)")
+		}
+		if cfg.Attacher == nil || cfg.Mounter == nil {
+			return nil, errors.New("the node service needs the daemon and a mounter")
+		}
+		if cfg.StateDir == "" {
+			return nil, errors.New("the node service needs a state directory")
+		}
+	}
+	if cfg.Connections <= 0 {
+		cfg.Connections = min(runtime.NumCPU(), 4)
+	}
+	if cfg.SlowCall <= 0 {
+		cfg.SlowCall = 10 * time.Second
+	}
+	if cfg.DeviceWait <= 0 {
+		cfg.DeviceWait = 2 * time.Minute
+	}
+	if cfg.SysBlock == "" {
+		cfg.SysBlock = "/sys/block"
+	}
+	if cfg.Log == nil {
+		cfg.Log = slog.New(slog.DiscardHandler)
+	}
+	d := &Driver{cfg: cfg, log: cfg.Log, clusters: clusters{cfg.ClustersConfig}, locks: newKeyLocks(),
+		creds: map[string]credentials{}, pools: map[poolKey]bool{}}
+	if cfg.Node {
+		var err error
+		if d.state, err = openStageStore(cfg.StateDir); err != nil {
+			return nil, err
+		}
+	}
+	return d, nil
+}
+
+// poolKey is a pool (and RADOS namespace) on a cluster.
+type poolKey struct{ ClusterID, Pool, Namespace string }
+
+// remember keeps the credentials that worked for vol's cluster and its
+// pool, for the calls that carry none.
+func (d *Driver) remember(vol volume, c credentials) {
+	d.credsMu.Lock()
+	d.creds[vol.ClusterID] = c
+	d.pools[poolKey{vol.ClusterID, vol.Spec.Pool, vol.Spec.Namespace}] = true
+	d.credsMu.Unlock()
+}
+
+func (d *Driver) knownPools() []poolKey {
+	d.credsMu.Lock()
+	defer d.credsMu.Unlock()
+	out := make([]poolKey, 0, len(d.pools))
+	for k := range d.pools {
+		out = append(out, k)
+	}
+	return out
+}
+
+func (d *Driver) knownCreds(clusterID string) (credentials, bool) {
+	d.credsMu.Lock()
+	defer d.credsMu.Unlock()
+	c, ok := d.creds[clusterID]
+	return c, ok
+}
+
+// describe is a request's volume for logs and errors.
+func describe(v volume) string { return fmt.Sprintf("%s on cluster %s", v.Spec, v.ClusterID) }

@@ -1,0 +1,55 @@
+package csi
+
+import (
+	"context"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+)
+
+func (d *Driver) GetPluginInfo(context.Context, *csi.GetPluginInfoRequest) (*csi.GetPluginInfoResponse, error) {
+	return &csi.GetPluginInfoResponse{Name: d.cfg.Name, VendorVersion: d.cfg.Version}, nil
+}
+
+func (d *Driver) GetPluginCapabilities(context.Context, *csi.GetPluginCapabilitiesRequest) (*csi.GetPluginCapabilitiesResponse, error) {
+	var caps []*csi.PluginCapability
+	if d.cfg.Controller {
+		caps = append(caps, &csi.PluginCapability{Type: &csi.PluginCapability_Service_{
+			Service: &csi.PluginCapability_Service{Type: csi.PluginCapability_Service_CONTROLLER_SERVICE}}})
+	}
+	for _, t := range []csi.PluginCapability_VolumeExpansion_Type{
+		csi.PluginCapability_VolumeExpansion_ONLINE, csi.PluginCapability_VolumeExpansion_OFFLINE} {
+		caps = append(caps, &csi.PluginCapability{Type: &csi.PluginCapability_VolumeExpansion_{
+			VolumeExpansion: &csi.PluginCapability_VolumeExpansion{Type: t}}})
+	}
+	return &csi.GetPluginCapabilitiesResponse{Capabilities: caps}, nil
+}
+
+// Probe is ready when what the role needs is up: for the node, the node
+// daemon answers; for the controller, the clusters config reads and
+// every cluster it has credentials for answers.
+func (d *Driver) Probe(ctx context.Context, _ *csi.ProbeRequest) (*csi.ProbeResponse, error) {
+	if d.cfg.Node {
+		if err := d.cfg.Attacher.Ping(ctx); err != nil {
+			return nil, status.Errorf(codes.FailedPrecondition, "the node daemon does not answer: %v", err)
+		}
+	}
+	if d.cfg.Controller {
+		cs, err := d.clusters.load()
+		if err != nil {
+			return nil, status.Errorf(codes.FailedPrecondition, "%v", err)
+		}
+		for _, cl := range cs {
+			c, ok := d.knownCreds(cl.ClusterID)
+			if !ok {
+				continue
+			}
+			if err := d.cfg.Images.Ping(cl.options(c, controllerOSDTimeout)); err != nil {
+				return &csi.ProbeResponse{Ready: wrapperspb.Bool(false)}, nil
+			}
+		}
+	}
+	return &csi.ProbeResponse{Ready: wrapperspb.Bool(true)}, nil
+}

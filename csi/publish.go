@@ -1,0 +1,222 @@
+package csi
+
+import (
+	"context"
+	"errors"
+	"sort"
+	"strconv"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
+)
+
+// ControllerPublish/Unpublish exist for attachRequired: true. Kubernetes
+// only runs its guard against attaching an RWO volume to two nodes
+// (VolumeAttachment objects, the attach-detach controller's multi-attach
+// check) for drivers that require attach; ceph-csi's rbd driver requires
+// it for the same reason. The attach itself happens on the node
+// (NodeStage maps the image): Publish checks that the volume and node
+// exist and says, in the publish context, whether the node must map it
+// read-only.
+
+// publishReadOnly is the publish context key NodeStage reads.
+const publishReadOnly = "readOnly"
+
+func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.ControllerPublishVolumeRequest) (*csi.ControllerPublishVolumeResponse, error) {
+	id, node := req.GetVolumeId(), req.GetNodeId()
+	switch {
+	case id == "":
+		return nil, status.Error(codes.InvalidArgument, "volume ID is required")
+	case node == "":
+		return nil, status.Error(codes.InvalidArgument, "node ID is required")
+	case req.GetVolumeCapability() == nil:
+		return nil, status.Error(codes.InvalidArgument, "volume capability is required")
+	}
+	a, err := parseCapability(req.GetVolumeCapability())
+	if err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	vol, err := parseVolumeID(id)
+	if err != nil {
+		return nil, status.Error(codes.NotFound, err.Error())
+	}
+	if err := d.checkNode(ctx, node); err != nil {
+		return nil, err
+	}
+	if err := d.checkExists(vol, req.GetSecrets()); err != nil {
+		return nil, err
+	}
+	ro := req.GetReadonly() || a.ReadOnly
+	return &csi.ControllerPublishVolumeResponse{PublishContext: map[string]string{
+		publishReadOnly: strconv.FormatBool(ro)}}, nil
+}
+
+func (d *Driver) checkNode(ctx context.Context, node string) error {
+	if d.cfg.Nodes == nil {
+		return nil
+	}
+	ok, err := d.cfg.Nodes.NodeExists(ctx, node)
+	if err != nil {
+		return status.Errorf(codes.Unavailable, "look up node %q: %v", node, err)
+	}
+	if !ok {
+		return status.Errorf(codes.NotFound, "node %q runs no %s node plugin", node, d.cfg.Name)
+	}
+	return nil
+}
+
+// checkExists answers NotFound for a volume whose image is gone. Without
+// any credentials for its cluster (a controller restarted since the last
+// call that carried secrets) it cannot look, and lets the call through:
+// NodeStage, which has secrets, finds out.
+func (d *Driver) checkExists(vol volume, secrets map[string]string) error {
+	_, o, err := d.volumeAccess(vol.ID(), secrets)
+	if status.Code(err) == codes.InvalidArgument {
+		d.log.Info("cannot check that the volume exists: no credentials", "volume", vol.ID())
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	if _, err := d.cfg.Images.ImageInfo(o, vol.Spec); err != nil {
+		if errors.Is(err, ceph.ErrImageNotFound) || errors.Is(err, ceph.ErrPoolNotFound) {
+			return status.Errorf(codes.NotFound, "volume %s does not exist", vol.ID())
+		}
+		return cephStatus(err, "look up "+describe(vol))
+	}
+	return nil
+}
+
+// ControllerUnpublishVolume has nothing to undo on the controller: the
+// node unmapped the image in NodeUnstage. Unknown and deleted volumes
+// succeed too, as the spec asks.
+func (d *Driver) ControllerUnpublishVolume(ctx context.Context, req *csi.ControllerUnpublishVolumeRequest) (*csi.ControllerUnpublishVolumeResponse, error) {
+	if req.GetVolumeId() == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume ID is required")
+	}
+	return &csi.ControllerUnpublishVolumeResponse{}, nil
+}
+
+func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.ValidateVolumeCapabilitiesRequest) (*csi.ValidateVolumeCapabilitiesResponse, error) {
+	id := req.GetVolumeId()
+	if id == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume ID is required")
+	}
+	if len(req.GetVolumeCapabilities()) == 0 {
+		return nil, status.Error(codes.InvalidArgument, "volume capabilities are required")
+	}
+	vol, err := parseVolumeID(id)
+	if err != nil {
+		return nil, status.Error(codes.NotFound, err.Error())
+	}
+	if err := d.checkExists(vol, req.GetSecrets()); err != nil {
+		return nil, err
+	}
+	if _, err := parseCapabilities(req.GetVolumeCapabilities()); err != nil {
+		return &csi.ValidateVolumeCapabilitiesResponse{Message: err.Error()}, nil
+	}
+	return &csi.ValidateVolumeCapabilitiesResponse{Confirmed: &csi.ValidateVolumeCapabilitiesResponse_Confirmed{
+		VolumeContext: req.GetVolumeContext(), VolumeCapabilities: req.GetVolumeCapabilities(),
+		Parameters: req.GetParameters()}}, nil
+}
+
+// ListVolumes lists the images carrying a CSI name in every pool this
+// controller has served a call for (the request carries no secrets and
+// names no pool), by volume ID. The token is the index of the next
+// entry.
+func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (*csi.ListVolumesResponse, error) {
+	start := 0
+	if t := req.GetStartingToken(); t != "" {
+		n, err := strconv.Atoi(t)
+		if err != nil || n < 0 {
+			return nil, status.Errorf(codes.Aborted, "bad starting token %q", t)
+		}
+		start = n
+	}
+	if req.GetMaxEntries() < 0 {
+		return nil, status.Error(codes.InvalidArgument, "max entries cannot be negative")
+	}
+	var vols []*csi.Volume
+	for _, pk := range d.knownPools() {
+		cl, err := d.clusters.get(pk.ClusterID)
+		if err != nil {
+			continue // left the config
+		}
+		creds, _ := d.knownCreds(pk.ClusterID)
+		infos, err := d.cfg.Images.ListImages(cl.options(creds, controllerOSDTimeout),
+			ceph.ImageSpec{Pool: pk.Pool, Namespace: pk.Namespace}, metaName)
+		if err != nil {
+			return nil, cephStatus(err, "list pool "+pk.Pool)
+		}
+		for _, info := range infos {
+			vols = append(vols, &csi.Volume{VolumeId: volume{ClusterID: pk.ClusterID, Spec: info.Spec}.ID(),
+				CapacityBytes: int64(info.Size)})
+		}
+	}
+	sort.Slice(vols, func(i, j int) bool { return vols[i].VolumeId < vols[j].VolumeId })
+	if start > len(vols) {
+		return nil, status.Errorf(codes.Aborted, "starting token %d is past the %d volumes", start, len(vols))
+	}
+	end := len(vols)
+	if m := int(req.GetMaxEntries()); m > 0 && start+m < end {
+		end = start + m
+	}
+	resp := &csi.ListVolumesResponse{}
+	for _, v := range vols[start:end] {
+		resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{Volume: v})
+	}
+	if end < len(vols) {
+		resp.NextToken = strconv.Itoa(end)
+	}
+	return resp, nil
+}
+
+// GetCapacity is the free space of the StorageClass's pool. It needs
+// credentials seen for the cluster (the request carries none); without
+// parameters it reports nothing (0).
+func (d *Driver) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (*csi.GetCapacityResponse, error) {
+	if len(req.GetParameters()) == 0 {
+		return &csi.GetCapacityResponse{}, nil
+	}
+	if len(req.GetVolumeCapabilities()) > 0 {
+		if _, err := parseCapabilities(req.GetVolumeCapabilities()); err != nil {
+			return &csi.GetCapacityResponse{}, nil // none for what cannot be provisioned
+		}
+	}
+	p, err := parseParams(req.GetParameters())
+	if err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	cl, err := d.clusters.get(p.ClusterID)
+	if err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	creds, ok := d.knownCreds(p.ClusterID)
+	if !ok {
+		return nil, status.Errorf(codes.Unavailable, "no credentials seen for cluster %q yet", p.ClusterID)
+	}
+	avail, err := d.cfg.Images.PoolAvailable(cl.options(creds, controllerOSDTimeout), p.Pool)
+	if err != nil {
+		return nil, cephStatus(err, "free space of pool "+p.Pool)
+	}
+	return &csi.GetCapacityResponse{AvailableCapacity: int64(avail)}, nil
+}
+
+func (d *Driver) ControllerGetCapabilities(context.Context, *csi.ControllerGetCapabilitiesRequest) (*csi.ControllerGetCapabilitiesResponse, error) {
+	var caps []*csi.ControllerServiceCapability
+	for _, t := range []csi.ControllerServiceCapability_RPC_Type{
+		csi.ControllerServiceCapability_RPC_CREATE_DELETE_VOLUME,
+		csi.ControllerServiceCapability_RPC_PUBLISH_UNPUBLISH_VOLUME,
+		csi.ControllerServiceCapability_RPC_LIST_VOLUMES,
+		csi.ControllerServiceCapability_RPC_GET_CAPACITY,
+		csi.ControllerServiceCapability_RPC_EXPAND_VOLUME,
+		csi.ControllerServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
+	} {
+		caps = append(caps, &csi.ControllerServiceCapability{Type: &csi.ControllerServiceCapability_Rpc{
+			Rpc: &csi.ControllerServiceCapability_RPC{Type: t}}})
+	}
+	return &csi.ControllerGetCapabilitiesResponse{Capabilities: caps}, nil
+}

@@ -1,0 +1,134 @@
+package csi
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/url"
+	"os"
+	"path/filepath"
+	"runtime/debug"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/kubernetes-csi/csi-lib-utils/protosanitizer"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// Listen opens a CSI endpoint: unix:///path (mode 0600, a stale socket
+// replaced) or tcp://host:port.
+func Listen(endpoint string) (net.Listener, error) {
+	u, err := url.Parse(endpoint)
+	if err != nil {
+		return nil, fmt.Errorf("endpoint %q: %w", endpoint, err)
+	}
+	switch u.Scheme {
+	case "unix":
+		path := u.Path
+		if u.Host != "" {
+			path = u.Host + u.Path // unix://relative/path
+		}
+		if path == "" {
+			return nil, fmt.Errorf("endpoint %q: no socket path", endpoint)
+		}
+		if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+			return nil, err
+		}
+		if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return nil, fmt.Errorf("endpoint %q: %w", endpoint, err)
+		}
+		l, err := net.Listen("unix", path)
+		if err != nil {
+			return nil, err
+		}
+		if err := os.Chmod(path, 0o600); err != nil {
+			l.Close()
+			return nil, err
+		}
+		return l, nil
+	case "tcp":
+		return net.Listen("tcp", u.Host)
+	}
+	return nil, fmt.Errorf("endpoint %q: want unix:///path or tcp://host:port", endpoint)
+}
+
+// Server returns a gRPC server with the driver's services registered
+// and its interceptors installed.
+func (d *Driver) Server() *grpc.Server {
+	s := grpc.NewServer(grpc.ChainUnaryInterceptor(d.logCalls, d.recoverPanics))
+	csi.RegisterIdentityServer(s, d)
+	if d.cfg.Controller {
+		csi.RegisterControllerServer(s, d)
+	}
+	if d.cfg.Node {
+		csi.RegisterNodeServer(s, d)
+	}
+	return s
+}
+
+// Serve answers on l until ctx ends, then stops gracefully.
+func (d *Driver) Serve(ctx context.Context, l net.Listener) error {
+	s := d.Server()
+	stop := context.AfterFunc(ctx, s.GracefulStop)
+	defer stop()
+	d.log.Info("serving CSI", "driver", d.cfg.Name, "controller", d.cfg.Controller, "node", d.cfg.Node,
+		"nodeid", d.cfg.NodeID, "endpoint", l.Addr().String())
+	err := s.Serve(l)
+	if ctx.Err() != nil {
+		return nil
+	}
+	return err
+}
+
+// logCalls gives each call an ID, logs it with its secrets stripped
+// (protosanitizer), and its outcome and duration; calls slower than
+// SlowCall are logged at warning level.
+func (d *Driver) logCalls(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+	id := d.requestSeq.Add(1)
+	log := d.log.With("req", id, "method", info.FullMethod)
+	probe := info.FullMethod == "/csi.v1.Identity/Probe"
+	if !probe {
+		log.Debug("call", "request", protosanitizer.StripSecrets(req).String())
+	}
+	t0 := time.Now()
+	resp, err := h(ctx, req)
+	took := time.Since(t0)
+	lvl := slog.LevelDebug
+	if err != nil {
+		lvl = slog.LevelInfo
+		if c := status.Code(err); c == codes.Internal || c == codes.Unknown {
+			lvl = slog.LevelError
+		}
+	}
+	if took > d.cfg.SlowCall {
+		lvl = max(lvl, slog.LevelWarn)
+	}
+	if !probe || err != nil {
+		attrs := []any{"took", took.Round(time.Millisecond), "code", status.Code(err).String()}
+		if err != nil {
+			attrs = append(attrs, "err", status.Convert(err).Message(), "request", protosanitizer.StripSecrets(req).String())
+		}
+		if took > d.cfg.SlowCall {
+			attrs = append(attrs, "slow", true)
+		}
+		log.Log(ctx, lvl, "done", attrs...)
+	}
+	return resp, err
+}
+
+// recoverPanics turns a panic in a handler into Internal, with the stack
+// logged, instead of taking the plugin (and the node's volumes' control
+// path) down.
+func (d *Driver) recoverPanics(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (resp any, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			d.log.Error("panic in CSI call", "method", info.FullMethod, "panic", p, "stack", string(debug.Stack()))
+			err = status.Errorf(codes.Internal, "internal error in %s: %v", info.FullMethod, p)
+		}
+	}()
+	return h(ctx, req)
+}

@@ -1,0 +1,64 @@
+package csi
+
+import (
+	"context"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
+)
+
+// panicImages panics in ImageInfo, as a bug would.
+type panicImages struct{ *fakeImages }
+
+func (panicImages) ImageInfo(o ceph.Options, spec ceph.ImageSpec) (ceph.ImageInfo, error) {
+	panic("boom")
+}
+
+func TestServerInterceptors(t *testing.T) {
+	r := newRig(t)
+	sock := filepath.Join(r.dir, "csi.sock")
+	l, err := Listen("unix://" + sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go r.d.Serve(ctx, l)
+	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	cc := csi.NewControllerClient(conn)
+	req := &csi.CreateVolumeRequest{Name: "pvc-g", Parameters: map[string]string{"clusterID": "c1"},
+		VolumeCapabilities: []*csi.VolumeCapability{mountCap("ext4", rwo)},
+		Secrets:            map[string]string{"userID": "csi", "userKey": "AQDkey"}}
+	if _, err := cc.CreateVolume(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	req.Secrets["userKey"] = "AQDwrongkey"
+	_, err = cc.CreateVolume(ctx, req)
+	wantCode(t, "wrong key", err, codes.PermissionDenied)
+	logs := r.logs.String()
+	if strings.Contains(logs, "AQD") || !strings.Contains(logs, "***stripped***") {
+		t.Fatalf("secrets not stripped from the log:\n%s", logs)
+	}
+	if !strings.Contains(logs, "req=1 ") || !strings.Contains(logs, "req=2 ") {
+		t.Fatalf("no request IDs in the log:\n%s", logs)
+	}
+	r.d.cfg.Images = panicImages{r.images}
+	_, err = cc.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-h", Parameters: map[string]string{"clusterID": "c1"},
+		VolumeCapabilities: []*csi.VolumeCapability{mountCap("ext4", rwo)}, Secrets: goodSecrets})
+	wantCode(t, "panic", err, codes.Internal, "boom")
+	// The server is still up.
+	if _, err := csi.NewIdentityClient(conn).GetPluginInfo(ctx, &csi.GetPluginInfoRequest{}); err != nil {
+		t.Fatal(err)
+	}
+}
