@@ -82,12 +82,13 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 		// Start the daemon now, not on the first request: after a
 		// restart it must take every device back before the kernel's
 		// dead-connection timeout fails their I/O.
+		// If it cannot start (no NBD in this kernel), the plugin still
+		// serves: Probe says not ready, and the next map tries again.
 		sctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
-		err := c.EnsureRunning(sctx)
-		cancel()
-		if err != nil {
-			return fmt.Errorf("node daemon: %w", err)
+		if err := c.EnsureRunning(sctx); err != nil {
+			log.Error("the node daemon is not running", "err", err)
 		}
+		cancel()
 		cfg.Attacher = c
 		cfg.Mounter = mount.NewSafeFormatAndMount(mount.New(""), utilexec.New())
 	}
