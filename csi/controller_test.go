@@ -2,6 +2,8 @@ package csi
 
 import (
 	"context"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -200,6 +202,20 @@ func TestListVolumesAndCapacity(t *testing.T) {
 	}
 	_, err = r.d.GetCapacity(ctx, &csi.GetCapacityRequest{Parameters: map[string]string{"clusterID": "ns"}})
 	wantCode(t, "no credentials yet", err, codes.Unavailable)
+	// A restarted controller with its own Secret lists at once.
+	sec := filepath.Join(r.dir, "secret")
+	os.MkdirAll(sec, 0o700)
+	os.WriteFile(filepath.Join(sec, "userID"), []byte("csi\n"), 0o600)
+	os.WriteFile(filepath.Join(sec, "userKey"), []byte("AQDkey\n"), 0o600)
+	cfg := r.d.cfg
+	cfg.ControllerSecretDir = sec
+	d2, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp, err := d2.ListVolumes(ctx, &csi.ListVolumesRequest{}); err != nil || len(resp.Entries) != 5 {
+		t.Fatalf("a fresh controller with a Secret lists %v %v", resp, err)
+	}
 }
 
 func TestControllerPublish(t *testing.T) {

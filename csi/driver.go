@@ -5,7 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"os"
+	"path/filepath"
 	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -29,6 +32,7 @@ type Images interface {
 	ResizeImage(o ceph.Options, spec ceph.ImageSpec, size uint64) error
 	RemoveImage(o ceph.Options, spec ceph.ImageSpec) error
 	ListImages(o ceph.Options, spec ceph.ImageSpec, metaKey string) ([]ceph.ImageInfo, error)
+	ListPools(o ceph.Options) ([]string, error)
 	PoolAvailable(o ceph.Options, pool string) (uint64, error)
 	Ping(o ceph.Options) error
 }
@@ -71,8 +75,17 @@ type Config struct {
 	// CSINode lists this driver).
 	Nodes NodeRegistry
 	// Connections per device unless the StorageClass's map options say;
-	// 0 means min(CPUs, 4).
+	// 0 means min(CPUs, 4), and never fewer than 2: with one connection
+	// and io-timeout 0 the kernel never requeues the requests in flight
+	// on a dead socket (nbd_xmit_timeout only resets their timer), so a
+	// plugin restart would hang them for good; with two or more it
+	// requeues them on a live socket at the block layer's timeout.
 	Connections int
+	// ControllerSecretDir, if set, holds userID and userKey files (a
+	// mounted Secret, ceph-csi's key names): the credentials for the
+	// calls that carry none (ListVolumes, GetCapacity, Probe,
+	// ControllerPublish), from the start.
+	ControllerSecretDir string
 	// SlowCall: calls taking longer are logged as slow (default 10s).
 	SlowCall time.Duration
 	// DeviceWait bounds NodeExpand's wait for the device to show the new
@@ -100,7 +113,6 @@ type Driver struct {
 	// ControllerPublish carry no secrets.
 	credsMu sync.Mutex
 	creds   map[string]credentials
-	pools   map[poolKey]bool // where ListVolumes looks
 
 	requestSeq atomic.Uint64 // request IDs in the logs
 }
@@ -128,7 +140,7 @@ func New(cfg Config) (*Driver, error) {
 		}
 	}
 	if cfg.Connections <= 0 {
-		cfg.Connections = min(runtime.NumCPU(), 4)
+		cfg.Connections = max(2, min(runtime.NumCPU(), 4))
 	}
 	if cfg.SlowCall <= 0 {
 		cfg.SlowCall = 10 * time.Second
@@ -143,7 +155,7 @@ func New(cfg Config) (*Driver, error) {
 		cfg.Log = slog.New(slog.DiscardHandler)
 	}
 	d := &Driver{cfg: cfg, log: cfg.Log, clusters: clusters{cfg.ClustersConfig}, locks: newKeyLocks(),
-		creds: map[string]credentials{}, pools: map[poolKey]bool{}}
+		creds: map[string]credentials{}}
 	if cfg.Node {
 		var err error
 		if d.state, err = openStageStore(cfg.StateDir); err != nil {
@@ -153,29 +165,26 @@ func New(cfg Config) (*Driver, error) {
 	return d, nil
 }
 
-// poolKey is a pool (and RADOS namespace) on a cluster.
-type poolKey struct{ ClusterID, Pool, Namespace string }
-
-// remember keeps the credentials that worked for vol's cluster and its
-// pool, for the calls that carry none.
+// remember keeps the credentials that worked for vol's cluster, for the
+// calls that carry none.
 func (d *Driver) remember(vol volume, c credentials) {
 	d.credsMu.Lock()
 	d.creds[vol.ClusterID] = c
-	d.pools[poolKey{vol.ClusterID, vol.Spec.Pool, vol.Spec.Namespace}] = true
 	d.credsMu.Unlock()
 }
 
-func (d *Driver) knownPools() []poolKey {
-	d.credsMu.Lock()
-	defer d.credsMu.Unlock()
-	out := make([]poolKey, 0, len(d.pools))
-	for k := range d.pools {
-		out = append(out, k)
-	}
-	return out
-}
-
+// knownCreds are the credentials for calls that carry none: the
+// controller's own Secret if it has one, else the last ones a call for
+// the cluster carried.
 func (d *Driver) knownCreds(clusterID string) (credentials, bool) {
+	if dir := d.cfg.ControllerSecretDir; dir != "" {
+		id, err1 := os.ReadFile(filepath.Join(dir, "userID"))
+		key, err2 := os.ReadFile(filepath.Join(dir, "userKey"))
+		if err1 == nil && err2 == nil {
+			return credentials{ID: strings.TrimSpace(string(id)), Key: strings.TrimSpace(string(key))}, true
+		}
+		d.log.Warn("controller secret unreadable", "dir", dir)
+	}
 	d.credsMu.Lock()
 	defer d.credsMu.Unlock()
 	c, ok := d.creds[clusterID]

@@ -128,6 +128,19 @@ func (f *fakeImages) ListImages(o ceph.Options, spec ceph.ImageSpec, key string)
 	return out, nil
 }
 
+func (f *fakeImages) ListPools(o ceph.Options) ([]string, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.check(o, "rbd"); err != nil {
+		return nil, err
+	}
+	var out []string
+	for p := range f.pools {
+		out = append(out, p)
+	}
+	return out, nil
+}
+
 func (f *fakeImages) PoolAvailable(o ceph.Options, pool string) (uint64, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()

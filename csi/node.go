@@ -278,11 +278,8 @@ func removeIfExists(path string) error {
 // forgets the volume. Repeats, and volumes never staged, succeed.
 func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (*csi.NodeUnstageVolumeResponse, error) {
 	id, staging := req.GetVolumeId(), req.GetStagingTargetPath()
-	switch {
-	case id == "":
-		return nil, status.Error(codes.InvalidArgument, "volume ID is required")
-	case staging == "":
-		return nil, status.Error(codes.InvalidArgument, "staging target path is required")
+	if err := require("volume ID", id, "staging target path", staging); err != nil {
+		return nil, err
 	}
 	release, err := d.locks.acquire(id)
 	if err != nil {
@@ -444,11 +441,8 @@ func makeTarget(target string, block bool) (made bool, err error) {
 // targets that do not exist, succeed.
 func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublishVolumeRequest) (*csi.NodeUnpublishVolumeResponse, error) {
 	id, target := req.GetVolumeId(), req.GetTargetPath()
-	switch {
-	case id == "":
-		return nil, status.Error(codes.InvalidArgument, "volume ID is required")
-	case target == "":
-		return nil, status.Error(codes.InvalidArgument, "target path is required")
+	if err := require("volume ID", id, "target path", target); err != nil {
+		return nil, err
 	}
 	release, err := d.locks.acquire(id)
 	if err != nil {

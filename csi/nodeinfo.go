@@ -47,18 +47,12 @@ func (d *Driver) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilitiesRe
 // allocated — the daemon holds the image, so no secrets are needed.
 func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeStatsRequest) (*csi.NodeGetVolumeStatsResponse, error) {
 	id, path := req.GetVolumeId(), req.GetVolumePath()
-	switch {
-	case id == "":
-		return nil, status.Error(codes.InvalidArgument, "volume ID is required")
-	case path == "":
-		return nil, status.Error(codes.InvalidArgument, "volume path is required")
+	if err := require("volume ID", id, "volume path", path); err != nil {
+		return nil, err
 	}
-	fi, err := os.Stat(path)
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, status.Errorf(codes.NotFound, "volume path %s does not exist", path)
-	}
+	fi, err := statVolumePath(path)
 	if err != nil {
-		return nil, status.Errorf(codes.Internal, "stat %s: %v", path, err)
+		return nil, err
 	}
 	if fi.Mode()&os.ModeDevice != 0 {
 		return d.blockStats(ctx, id, path)
@@ -107,18 +101,12 @@ func blockSize(path string) (uint64, error) {
 // after ControllerExpand), then grows the filesystem.
 func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolumeRequest) (*csi.NodeExpandVolumeResponse, error) {
 	id, path := req.GetVolumeId(), req.GetVolumePath()
-	switch {
-	case id == "":
-		return nil, status.Error(codes.InvalidArgument, "volume ID is required")
-	case path == "":
-		return nil, status.Error(codes.InvalidArgument, "volume path is required")
+	if err := require("volume ID", id, "volume path", path); err != nil {
+		return nil, err
 	}
-	fi, err := os.Stat(path)
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, status.Errorf(codes.NotFound, "volume path %s does not exist", path)
-	}
+	fi, err := statVolumePath(path)
 	if err != nil {
-		return nil, status.Errorf(codes.Internal, "stat %s: %v", path, err)
+		return nil, err
 	}
 	release, err := d.locks.acquire(id)
 	if err != nil {
@@ -219,4 +207,16 @@ func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolume
 		}
 	}
 	return &csi.NodeGetVolumeHealthResponse{VolumeHealth: h}, nil
+}
+
+// statVolumePath: NotFound for a volume path that does not exist.
+func statVolumePath(path string) (os.FileInfo, error) {
+	fi, err := os.Stat(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, status.Errorf(codes.NotFound, "volume path %s does not exist", path)
+	}
+	if err != nil {
+		return nil, status.Errorf(codes.Internal, "stat %s: %v", path, err)
+	}
+	return fi, nil
 }

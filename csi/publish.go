@@ -123,10 +123,10 @@ func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.Valida
 		Parameters: req.GetParameters()}}, nil
 }
 
-// ListVolumes lists the images carrying a CSI name in every pool this
-// controller has served a call for (the request carries no secrets and
-// names no pool), by volume ID. The token is the index of the next
-// entry.
+// ListVolumes lists the images carrying a CSI name in every pool of
+// every cluster in the config that there are credentials for (the
+// controller's Secret, else the last ones seen), by volume ID. The token
+// is the index of the next entry.
 func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (*csi.ListVolumesResponse, error) {
 	start := 0
 	if t := req.GetStartingToken(); t != "" {
@@ -139,24 +139,10 @@ func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (
 	if req.GetMaxEntries() < 0 {
 		return nil, status.Error(codes.InvalidArgument, "max entries cannot be negative")
 	}
-	var vols []*csi.Volume
-	for _, pk := range d.knownPools() {
-		cl, err := d.clusters.get(pk.ClusterID)
-		if err != nil {
-			continue // left the config
-		}
-		creds, _ := d.knownCreds(pk.ClusterID)
-		infos, err := d.cfg.Images.ListImages(cl.options(creds, controllerOSDTimeout),
-			ceph.ImageSpec{Pool: pk.Pool, Namespace: pk.Namespace}, metaName)
-		if err != nil {
-			return nil, cephStatus(err, "list pool "+pk.Pool)
-		}
-		for _, info := range infos {
-			vols = append(vols, &csi.Volume{VolumeId: volume{ClusterID: pk.ClusterID, Spec: info.Spec}.ID(),
-				CapacityBytes: int64(info.Size)})
-		}
+	vols, err := d.allVolumes()
+	if err != nil {
+		return nil, err
 	}
-	sort.Slice(vols, func(i, j int) bool { return vols[i].VolumeId < vols[j].VolumeId })
 	if start > len(vols) {
 		return nil, status.Errorf(codes.Aborted, "starting token %d is past the %d volumes", start, len(vols))
 	}
@@ -172,6 +158,37 @@ func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (
 		resp.NextToken = strconv.Itoa(end)
 	}
 	return resp, nil
+}
+
+func (d *Driver) allVolumes() ([]*csi.Volume, error) {
+	cs, err := d.clusters.load()
+	if err != nil {
+		return nil, status.Error(codes.FailedPrecondition, err.Error())
+	}
+	var vols []*csi.Volume
+	for _, cl := range cs {
+		creds, ok := d.knownCreds(cl.ClusterID)
+		if !ok || len(cl.Monitors) == 0 {
+			continue
+		}
+		o := cl.options(creds, controllerOSDTimeout)
+		pools, err := d.cfg.Images.ListPools(o)
+		if err != nil {
+			return nil, cephStatus(err, "list pools of cluster "+cl.ClusterID)
+		}
+		for _, pool := range pools {
+			infos, err := d.cfg.Images.ListImages(o, ceph.ImageSpec{Pool: pool, Namespace: cl.RBD.RadosNamespace}, metaName)
+			if err != nil {
+				continue // not an RBD pool (or not ours to read)
+			}
+			for _, info := range infos {
+				vols = append(vols, &csi.Volume{VolumeId: volume{ClusterID: cl.ClusterID, Spec: info.Spec}.ID(),
+					CapacityBytes: int64(info.Size)})
+			}
+		}
+	}
+	sort.Slice(vols, func(i, j int) bool { return vols[i].VolumeId < vols[j].VolumeId })
+	return vols, nil
 }
 
 // GetCapacity is the free space of the StorageClass's pool. It needs

@@ -213,6 +213,21 @@ func (c *Clusters) PoolAvailable(o ceph.Options, pool string) (uint64, error) {
 	return 0, matching{fmt.Errorf("no statistics for pool %q (is a ceph-mgr running?)", pool), ceph.ErrUnreachable}
 }
 
+// ListPools names the cluster's pools.
+func (c *Clusters) ListPools(o ceph.Options) ([]string, error) {
+	conn, release, err := c.get(o)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	pools, err := conn.ListPools()
+	if err != nil {
+		return nil, fmt.Errorf("list pools: %w", classify(err))
+	}
+	sort.Strings(pools)
+	return pools, nil
+}
+
 // Ping connects with o (or reuses its connection): the CSI controller's
 // readiness.
 func (c *Clusters) Ping(o ceph.Options) error {

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 
@@ -59,6 +60,9 @@ func TestImageManagement(t *testing.T) {
 	if avail, err := cl.PoolAvailable(opts(), "rbd"); (err == nil) == (avail == 0) ||
 		(err != nil && !strings.Contains(err.Error(), "ceph-mgr")) {
 		t.Fatalf("pool available %d %v", avail, err)
+	}
+	if pools, err := cl.ListPools(opts()); err != nil || !slices.Contains(pools, "rbd") {
+		t.Fatalf("pools %v %v", pools, err)
 	}
 	if _, err := cl.PoolAvailable(opts(), "nopool"); !errors.Is(err, ceph.ErrPoolNotFound) {
 		t.Fatalf("missing pool: %v", err)

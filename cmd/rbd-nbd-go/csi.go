@@ -21,6 +21,7 @@ type csiOpts struct {
 	controller, node             bool
 	clustersConfig               string
 	nodeRegistry                 string
+	controllerSecretDir          string
 }
 
 // newCSI is the CSI driver's entry point, with ceph-csi's flag names:
@@ -48,6 +49,8 @@ StorageClass parameters and Secret keys are ceph-csi's.`,
 	f.BoolVar(&o.node, "nodeserver", false, "serve the node service")
 	f.StringVar(&o.clustersConfig, "clusters-config", "/etc/ceph-csi-config/config.json",
 		"ceph-csi's clusters config.json: clusterID, monitors, rbd.radosNamespace")
+	f.StringVar(&o.controllerSecretDir, "controller-secret-dir", "",
+		"directory with userID and userKey files (a mounted Secret): credentials for the calls that carry none (ListVolumes, GetCapacity, Probe)")
 	f.StringVar(&o.nodeRegistry, "node-registry", "",
 		"directory shared by controller and nodes: nodes register there and ControllerPublish refuses unknown node IDs (default: accept any)")
 	return cmd
@@ -62,7 +65,8 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 	log := logger(g.logLevel)
 	klog.SetSlogLogger(log) // mount-utils logs through klog
 	cfg := csi.Config{Name: o.driverName, Version: version, NodeID: o.nodeID, Controller: o.controller,
-		Node: o.node, ClustersConfig: o.clustersConfig, StateDir: g.stateDir, Log: log}
+		Node: o.node, ClustersConfig: o.clustersConfig, StateDir: g.stateDir, Log: log,
+		ControllerSecretDir: o.controllerSecretDir}
 	if o.nodeRegistry != "" {
 		reg := csi.DirRegistry{Dir: o.nodeRegistry}
 		if o.controller {
