@@ -7,7 +7,7 @@ GO      ?= go
 BIN     := bin/rbd-nbd-go
 GOFILES := $(shell find . -name '*.go' -not -path './bin/*')
 
-.PHONY: all deps build test unit interop lint fuzz bench bench-vm e2e run clean
+.PHONY: all deps build test unit interop lint fuzz bench bench-vm e2e e2e-csi run clean
 
 all: build
 
@@ -38,6 +38,18 @@ test: deps lint build
 e2e: deps build
 	scripts/vm/vm.sh --timeout 2400 -- e2e/scenarios.sh a b d e f g h i j
 	scripts/vm/vm.sh --smp 4 --timeout 900 -- e2e/scenarios.sh c
+	$(MAKE) --no-print-directory e2e-csi
+
+# The CSI driver on real /dev/nbd in the VM: upstream csi-sanity (whole
+# suite), a volume's life, Retain/static, online expand, restart
+# survival, bad input (csi/conformance), and ceph-csi's call sequence
+# with this binary installed as rbd-nbd (e2e/csi.sh).
+e2e-csi: deps build bin/csi-conformance.test
+	mkdir -p bin/e2e-csi
+	E2E_OUT=$(CURDIR)/bin/e2e-csi scripts/vm/vm.sh --timeout 2700 --share $(CURDIR)/bin/e2e-csi -- e2e/csi.sh
+
+bin/csi-conformance.test: $(GOFILES) go.mod go.sum
+	$(GO) test -c -o $@ ./csi/conformance
 
 # A short run of each fuzz target beyond its seed corpus.
 fuzz:

@@ -44,3 +44,20 @@ func TestCLIMisuse(t *testing.T) {
 		}
 	}
 }
+
+// TestRbdNbdFeatureProbe: installed as rbd-nbd, the binary passes
+// ceph-csi's start-up probe (internal/rbd/rbd_attach.go): `rbd-nbd
+// --help` exits 0, prints nothing on stderr, and names --cookie on
+// stdout, so ceph-csi turns on the nbd mounter with cookies.
+func TestRbdNbdFeatureProbe(t *testing.T) {
+	link := filepath.Join(t.TempDir(), "rbd-nbd")
+	if err := os.Symlink(binary, link); err != nil {
+		t.Fatal(err)
+	}
+	cmd := client(t, time.Minute, link, "--help")
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if err := cmd.Run(); err != nil || stderr.Len() != 0 || !strings.Contains(stdout.String(), "--cookie") {
+		t.Fatalf("probe: %v, stderr %q, --cookie on stdout: %v", err, stderr.String(), strings.Contains(stdout.String(), "--cookie"))
+	}
+}

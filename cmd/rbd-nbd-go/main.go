@@ -46,6 +46,7 @@ func newRoot() *cobra.Command {
 	root := &cobra.Command{
 		Use:           "rbd-nbd-go",
 		Short:         "Userspace NBD server for Ceph RBD and local devices",
+		Long:          rbdNbdUsage,
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
@@ -55,6 +56,40 @@ func newRoot() *cobra.Command {
 		newCSI(g, version))
 	return root
 }
+
+// rbdNbdUsage is the top of --help. Installed as rbd-nbd, the binary is
+// run by Ceph's rbd CLI and probed by ceph-csi, which decides at start
+// which rbd-nbd features it may use from \`rbd-nbd --help\`: exit 0,
+// nothing on stderr, and --cookie on stdout turn the nbd mounter and its
+// cookies on (internal/rbd/rbd_attach.go). So the help names the
+// commands and map options the way Ceph's rbd-nbd does.
+const rbdNbdUsage = `Userspace NBD server for Ceph RBD and local devices; a drop-in for Ceph's rbd-nbd.
+
+Usage: rbd-nbd-go [options] map <image-or-snap-spec>    Map image to nbd device
+                  detach <device|image-or-snap-spec>    Detach image from nbd device
+                  [options] attach <image-or-snap-spec> Attach image to nbd device
+                  unmap <device|image-or-snap-spec>     Unmap nbd device
+                  [options] list-mapped                 List mapped nbd devices
+                  serve <spec>                          Serve over NBD on a socket
+                  csi                                   Serve the CSI driver
+Map and attach options:
+  --device <device path>        Specify nbd device path (/dev/nbd{num})
+  --encryption-format luks|luks1|luks2
+  --encryption-passphrase-file  Path of file containing passphrase
+  --exclusive                   Forbid writes by other clients
+  --io-timeout <sec>            Set nbd IO timeout
+  --notrim                      Turn off trim/discard
+  --quiesce                     Use quiesce callbacks
+  --quiesce-hook <path>         Specify quiesce hook path
+  --read-only                   Map read-only
+  --reattach-timeout <sec>      Set nbd re-attach timeout (default: 30)
+  --try-netlink                 Use the nbd netlink interface (always tried first)
+  --show-cookie                 Show device cookie
+  --cookie                      Specify device cookie
+  --connections <n>             Sockets (kernel queues) per device
+List options:
+  --format plain|json           Output format (default: plain)
+  --pretty-format               Pretty formatting (json)`
 
 // spareProcs gives the Go scheduler more Ps than CPUs, unless GOMAXPROCS
 // says otherwise. Every connection keeps a goroutine blocked in read(2)

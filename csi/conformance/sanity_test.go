@@ -8,155 +8,27 @@
 package conformance
 
 import (
-	"bufio"
+	"bytes"
 	"fmt"
-	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"strings"
 	"testing"
 	"time"
 
 	"github.com/kubernetes-csi/csi-test/v5/pkg/sanity"
 	. "github.com/onsi/ginkgo/v2"
 	. "github.com/onsi/gomega"
-
-	"github.com/rbd-nbd-go/rbd-nbd-go/internal/cephtest"
 )
 
-var binary string
-
-func TestMain(m *testing.M) {
-	binary = os.Getenv("RBD_NBD_GO_BIN")
-	dir := ""
-	if binary == "" {
-		var err error
-		if dir, err = os.MkdirTemp("", "rbd-nbd-go-sanity-"); err != nil {
-			panic(err)
-		}
-		binary = filepath.Join(dir, "rbd-nbd-go")
-		build := exec.Command("go", "build", "-o", binary, "../../cmd/rbd-nbd-go")
-		build.Stderr = os.Stderr
-		if err := build.Run(); err != nil {
-			fmt.Fprintln(os.Stderr, "building rbd-nbd-go:", err)
-			os.Exit(1)
-		}
-	}
-	code := m.Run()
-	if dir != "" {
-		os.RemoveAll(dir)
-	}
-	os.Exit(code)
-}
-
-// monHost reads the monitor addresses from a ceph.conf.
-func monHost(conf string) (string, error) {
-	f, err := os.Open(conf)
-	if err != nil {
-		return "", err
-	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		k, v, ok := strings.Cut(sc.Text(), "=")
-		if ok && strings.ReplaceAll(strings.TrimSpace(k), "_", " ") == "mon host" {
-			return strings.TrimSpace(v), nil
-		}
-	}
-	return "", fmt.Errorf("no mon host in %s", conf)
-}
-
-// plugin starts `rbd-nbd-go csi` and returns its endpoint.
-func plugin(t *testing.T, dir string, node bool, monitors, secretKey string) string {
-	t.Helper()
-	conf := filepath.Join(dir, "config.json")
-	os.WriteFile(conf, []byte(fmt.Sprintf(`[{"clusterID":"dev","monitors":[%q]}]`, monitors)), 0o600)
-	sock := filepath.Join(dir, "csi.sock")
-	args := []string{"--state-dir", filepath.Join(dir, "state"), "--log-level", "debug", "csi",
-		"--controllerserver", "--endpoint", "unix://" + sock, "--clusters-config", conf,
-		"--node-registry", filepath.Join(dir, "nodes"), "--nodeserver", "--nodeid", "sanity-node"}
+func TestSanity(t *testing.T) {
+	node := onNode()
+	dir := t.TempDir()
 	// On the host the node service runs too (sanity cleans up through
 	// it), but its daemon cannot start: no NBD; its tests are skipped.
-	log, err := os.Create(filepath.Join(dir, "plugin.log"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd := exec.Command(binary, args...)
-	cmd.Stdout, cmd.Stderr = log, log
-	// No CEPH_CONF: the plugin must work from config.json and the
-	// secrets alone, as in a pod.
-	for _, e := range os.Environ() {
-		if !strings.HasPrefix(e, "CEPH_CONF=") {
-			cmd.Env = append(cmd.Env, e)
-		}
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		cmd.Process.Signal(os.Interrupt)
-		cmd.Wait()
-		log.Close()
-		if t.Failed() {
-			b, _ := os.ReadFile(log.Name())
-			t.Logf("plugin log:\n%s", tail(string(b), 60))
-		}
-		{
-			// The daemon the node plugin started.
-			if b, err := os.ReadFile(filepath.Join(dir, "state", "daemon.lock")); err == nil {
-				var pid int
-				fmt.Sscan(string(b), &pid)
-				if p, err := os.FindProcess(pid); err == nil && pid > 0 {
-					p.Signal(os.Interrupt)
-				}
-			}
-		}
-	})
-	for i := 0; ; i++ {
-		if c, err := net.Dial("unix", sock); err == nil {
-			c.Close()
-			break
-		}
-		if i > 600 {
-			t.Fatalf("the plugin did not listen on %s", sock)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
-	return "unix://" + sock
-}
-
-func tail(s string, n int) string {
-	lines := strings.Split(s, "\n")
-	if len(lines) > n {
-		lines = lines[len(lines)-n:]
-	}
-	return strings.Join(lines, "\n")
-}
-
-func TestSanity(t *testing.T) {
-	c, err := cephtest.Start()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if c == nil {
-		t.Skip("Ceph not installed")
-	}
-	defer c.Stop()
-	key, err := c.Ceph("auth", "get-key", "client.admin")
-	if err != nil {
-		t.Fatal(err)
-	}
-	mons, err := monHost(c.Conf)
-	if err != nil {
-		t.Fatal(err)
-	}
-	node := os.Getenv("RBD_NBD_GO_CSI_NODE") == "1"
-	dir := t.TempDir()
-	endpoint := plugin(t, dir, node, mons, strings.TrimSpace(key))
-	secrets := fmt.Sprintf("{userID: admin, userKey: %q}", strings.TrimSpace(key))
+	endpoint := "unix://" + startPlugin(t, dir).sock
+	secrets := fmt.Sprintf("{userID: admin, userKey: %q}", cluster.key)
 	secretsFile := filepath.Join(dir, "secrets.yaml")
-	var b strings.Builder
+	var b bytes.Buffer
 	for _, k := range []string{"CreateVolumeSecret", "DeleteVolumeSecret", "ControllerPublishVolumeSecret",
 		"ControllerUnpublishVolumeSecret", "ControllerValidateVolumeCapabilitiesSecret", "NodeStageVolumeSecret",
 		"NodePublishVolumeSecret", "ControllerExpandVolumeSecret"} {

@@ -1,0 +1,79 @@
+#!/bin/bash
+# CSI scenarios, run inside the VM (scripts/vm/vm.sh) as root:
+#   e2e/csi.sh [go] [dropin]     (default: both)
+# go:     the Go tests of csi/conformance on real /dev/nbd, real mkfs and
+#         mounts: upstream csi-sanity v5.6.0 (whole suite, mount and
+#         block), a volume's life as Kubernetes plays it, Retain and a
+#         static volume, online expand of ext4 and xfs under fio verify,
+#         restart survival (SIGKILL and SIGTERM) under fio verify, bad
+#         input, and stage/unstage times beside ceph-csi's commands.
+#         Uses bin/csi-conformance.test (make builds it).
+# dropin: ceph-csi's whole call sequence with our binary installed as
+#         rbd-nbd: its start-up probe, then map/list/unmap through Ceph's
+#         rbd CLI (ceph-csi < 3.11) and directly (3.11+), attach after a
+#         daemon kill (the healer), and the "not mapped" words.
+. "$(dirname "$0")/lib.sh"
+T=$root/bin/csi-conformance.test
+
+scenario_go() {
+	# The whole output is kept in the shared results directory, if any.
+	local out=${E2E_OUT:-$work}/conformance.out rc
+	(cd "$root/csi/conformance" && RBD_NBD_GO_BIN=$B RBD_NBD_GO_CSI_NODE=1 RBD_NBD_GO_CEPH=required \
+		timeout -k 10 2400 "$T" -test.v -test.count=1 -test.timeout 38m) >"$out" 2>&1
+	rc=$?
+	# What the note reports: sanity's counts, the times, the stalls.
+	sed 's/\x1b\[[0-9;]*m//g' "$out" | grep -aE '^(Ran |SUCCESS|FAIL!)|took|longest|grew online|plugin back|first stage|second stage|^\s*(--- |ok|FAIL)' |
+		sed 's/^/e2e:   /'
+	local tst
+	for tst in TestSanity TestVolumeLifecycle TestRetainAndStaticVolume TestOnlineExpand TestRestartSurvival TestBadInput TestStageTimeVsCephCSI; do
+		check "$tst" grep -q "^--- PASS: $tst " "$out"
+	done
+	check "the conformance binary exited 0" test $rc -eq 0
+	[ $rc -eq 0 ] || sed 's/\x1b\[[0-9;]*m//g' "$out" | grep -aB2 -A12 '\[FAIL\]\|--- FAIL' | tail -80
+}
+
+probe() { # ceph-csi's probe of rbd-nbd: exit 0, empty stderr, --cookie on stdout
+	local out
+	out=$(rbd-nbd --help 2>"$work/probe.err") || return 1
+	[ ! -s "$work/probe.err" ] && grep -q -- '--cookie' <<<"$out"
+}
+
+scenario_dropin() {
+	cluster || return
+	rbd create --size 128M rbd/vol-p
+	check "Ceph's own rbd-nbd passes ceph-csi's probe (reference)" probe
+	cp /usr/bin/rbd-nbd "$work/rbd-nbd.ceph"
+	cp "$B" /usr/bin/rbd-nbd # the VM's overlay: gone with the VM
+	check "ours, installed as rbd-nbd, passes it too" probe
+	local dev k=(--id admin -m "$mon" --keyfile="$work/admin.key")
+	# ceph-csi before 3.11: through the rbd CLI, which runs rbd-nbd from
+	# its own directory with -o turned into --options.
+	check "rbd map --device-type nbd, ceph-csi's options" eval 'dev=$(rbd "${k[@]}" --log-file "$work/p.log" map rbd/vol-p --device-type nbd --options try-netlink --options reattach-timeout=300 --options io-timeout=0 --options cookie=vol-p) && [ -b "$dev" ]'
+	check "rbd device list --format=json --device-type nbd lists it" eval 'rbd device list --format=json --device-type nbd | python3 -c "import json,sys; d=json.load(sys.stdin); sys.exit(not any(x[\"image\"]==\"vol-p\" and x[\"pool\"]==\"rbd\" and x[\"device\"]==\"$dev\" and isinstance(x[\"id\"], int) for x in d))"'
+	check "mkfs and write through it" eval 'mkfs.ext4 -q -F $dev && mkdir -p $work/p && mount $dev $work/p && echo kept > $work/p/f && umount $work/p'
+	check "rbd unmap --device-type nbd" rbd unmap rbd/vol-p --device-type nbd
+	check "a second unmap says ceph-csi's 'not mapped' words" eval '! rbd unmap rbd/vol-p --device-type nbd 2>$work/un.err && grep -q "rbd-nbd: rbd/vol-p is not mapped" $work/un.err'
+	# ceph-csi 3.11+: rbd-nbd directly.
+	check "rbd-nbd map, ceph-csi's command line" eval 'dev=$(rbd-nbd "${k[@]}" --log-file "$work/p.log" map rbd/vol-p --try-netlink --reattach-timeout=300 --io-timeout=0 --cookie=vol-p) && [ -b "$dev" ]'
+	check "rbd-nbd list-mapped --format=json" eval 'rbd-nbd list-mapped --format=json | grep -q "\"device\":\"$dev\""'
+	check "the data is there" eval 'mount $dev $work/p && grep -q kept $work/p/f'
+	local pid=$(cat /run/rbd-nbd-go/daemon.lock)
+	kill -9 "$pid"
+	check "the healer's attach after the server died" rbd-nbd "${k[@]}" --log-file "$work/p.log" attach rbd/vol-p --device "$dev" --try-netlink --reattach-timeout=300 --io-timeout=0 --cookie=vol-p
+	check "the mounted filesystem still writes" eval 'echo more >> $work/p/f && sync -f $work/p/f'
+	umount "$work/p"
+	check "rbd-nbd unmap by device" rbd-nbd unmap "$dev"
+	check "a second unmap: 'rbd-nbd: $dev is not mapped' on stderr" eval '! rbd-nbd unmap $dev 2>$work/un.err && grep -q "rbd-nbd: $dev is not mapped" $work/un.err'
+	pkill -f "rbd-nbd daemon"; sleep 1 # the daemon runs from /usr/bin/rbd-nbd
+	cp "$work/rbd-nbd.ceph" /usr/bin/rbd-nbd
+	check "no device left behind" no_devices
+}
+
+[ $# -gt 0 ] || set -- go dropin
+for s in "$@"; do run_scenario "$s" "scenario_$s"; done
+[ $cluster_up -eq 1 ] && scripts/ceph-dev-cluster stop "$work/ceph" >/dev/null 2>&1
+pkill -f "$B daemon" 2>/dev/null
+pkill -f "rbd-nbd daemon" 2>/dev/null
+for r in "${recap[@]}"; do log "failed check: $r"; done
+log "done: $fails failed ${failed[*]:-}"
+exit $fails

@@ -1,0 +1,113 @@
+#!/bin/bash
+# Helpers shared by the VM scripts (scenarios.sh, csi.sh): checks with
+# timings and a recap of failures, fio verify, the dev cluster, and
+# ceph-csi's map command line. Sourced, not run.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+B=$root/bin/rbd-nbd-go
+export RBD_NBD_GO_STATE_DIR=/run/rbd-nbd-go
+work=$(mktemp -d /tmp/e2e.XXXXXX)
+fails=0
+failed=()
+recap=() # every failed check, repeated at the end where a CI log's tail shows it
+
+log() { echo "e2e: $*"; }
+check() { # check DESCRIPTION COMMAND...: one assertion
+	local what=$1 t0; shift
+	rm -f "$work/why"
+	t0=$(date +%s%N)
+	if "$@"; then log "  ok   $what ($(took "$t0"))"; return; fi
+	# The recap at the end is what a CI log's tail shows: keep the why.
+	local why=""
+	[ -s "$work/why" ] && why=" -- $(tr '\n' ' ' < "$work/why" | cut -c1-300)"
+	log "  FAIL $what ($(took "$t0"))$why"; fail_check "$what$why"
+}
+took() { # took T0NS: seconds since T0NS, to 0.1 s
+	local ms=$((($(date +%s%N) - $1) / 1000000))
+	printf '%d.%ds' $((ms / 1000)) $((ms % 1000 / 100))
+}
+fail_check() { scenario_failed=1; recap+=("$current: $1"); }
+run_scenario() {
+	local name=$1 fn=$2
+	log "--- scenario $name"
+	current=$name scenario_failed=0
+	local t0=$(date +%s.%N)
+	$fn
+	local dt=$(echo "$(date +%s.%N) - $t0" | bc)
+	if [ $scenario_failed -ne 0 ]; then
+		fails=$((fails + 1)); failed+=("$name")
+		log "FAIL scenario $name (${dt}s)"
+		tail -20 /run/rbd-nbd-go/daemon.log 2>/dev/null
+		dmesg | tail -20
+	else
+		log "PASS scenario $name (${dt}s)"
+	fi
+}
+all_io_flushers() { # every thread of PID has PF_MEMALLOC_NOIO (what PR_SET_IO_FLUSHER sets)
+	local f fl n=0
+	for f in /proc/$1/task/*/stat; do
+		fl=$(sed 's/.*) //' "$f" | awk '{print $7}')
+		[ $(( fl & 0x80000 )) -ne 0 ] || { log "  thread ${f%/stat} lacks PF_MEMALLOC_NOIO"; return 1; }
+		n=$((n + 1))
+	done
+	log "  $n daemon threads, all IO flushers"
+	[ $n -gt 1 ]
+}
+signal_threads() { # signal_threads PID SIGNO N: tgkill every thread of PID with SIGNO, N times
+	python3 - "$@" <<'PY'
+import ctypes, os, sys
+pid, sig, n = (int(a) for a in sys.argv[1:4])
+libc = ctypes.CDLL(None, use_errno=True)
+for _ in range(n):
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        libc.syscall(234, pid, int(tid), sig)  # SYS_tgkill (x86_64)
+PY
+}
+no_devices() { # nothing mapped: list-mapped empty and no nbd has a server
+	[ "$($B list-mapped --format json)" = "[]" ] || return 1
+	for p in /sys/block/nbd*/pid; do [ -e "$p" ] && return 1; done
+	return 0
+}
+fio_run() { # fio_run OUT FILE_OR_DEV SIZE [extra fio args]: 4k randwrite + crc32c verify
+	local out=$1 target=$2 size=$3; shift 3
+	timeout -k 5 ${FIO_TIMEOUT:-600} fio --name=verify --filename="$target" --size="$size" --ioengine=libaio \
+		--direct=1 --rw=randwrite --bs=4k --iodepth=32 --verify=crc32c --verify_fatal=1 --do_verify=1 \
+		--group_reporting --output-format=terse --terse-version=3 "$@" >"$out" 2>&1
+}
+fio_clean() { # fio_clean OUT RC: fio exited 0 and no job reported an error
+	local out=$1 rc=$2
+	[ "$rc" -eq 0 ] || { tail -5 "$out"; fio_why "$out" "fio exit $rc"; return 1; }
+	# terse v3: field 5 is the job's error; verify errors fail the run.
+	awk -F';' '/^3;/ { n++; if ($5 != 0) bad = 1 } END { exit (bad || n == 0) }' "$out" ||
+		{ grep -v '^3;' "$out" | tail -5; fio_why "$out" "a job reported an error"; return 1; }
+}
+fio_why() { # fio_why OUT WHAT: fio's first error line, for check's recap
+	{ echo "$2:"; grep -v '^3;' "$1" | grep -m2 -iE 'error|verify|fail|invalid|timed out' || grep -v '^3;' "$1" | tail -2; } > "$work/why"
+}
+fio_verify() { fio_run "$work/fio.out" "$@"; fio_clean "$work/fio.out" $?; }
+
+# --- the cluster (inside the VM, on lo)
+cluster_up=0
+cluster() {
+	[ $cluster_up -eq 1 ] && return 0
+	[ $cluster_up -eq 2 ] && { fail_check "dev cluster (did not come up earlier)"; return 1; }
+	local t0=$(date +%s.%N)
+	export CEPH_CONF
+	local err
+	CEPH_CONF=$(scripts/ceph-dev-cluster start "$work/ceph" --timeout 300 2>"$work/cluster.err") ||
+		{ err=$(tail -1 "$work/cluster.err"); cluster_up=2
+		  log "  FAIL dev cluster: $err"; tail -5 "$work/ceph/log/mon.a.log"; fail_check "dev cluster: $err"; return 1; }
+	ceph-authtool "$work/ceph/keyring" -p -n client.admin > "$work/admin.key" # no slow ceph CLI call
+	mon=$(awk -F' *= *' '/mon[ _]host/ {print $2; exit}' "$CEPH_CONF")
+	cluster_up=1
+	log "  cluster up in $(echo "$(date +%s.%N) - $t0" | bc)s (mon $mon)"
+}
+
+# The flags ceph-csi passes to rbd-nbd, verbatim (internal/rbd/rbd_attach.go).
+csi_map() { # csi_map IMAGE COOKIE [extra]
+	local img=$1 cookie=$2; shift 2
+	$B --id admin -m "$mon" --keyfile="$work/admin.key" --log-file "$work/rbd-nbd-$cookie.log" \
+		map "$img" --try-netlink --reattach-timeout=300 --io-timeout=0 --cookie="$cookie" "$@"
+}
+
