@@ -90,10 +90,11 @@ func (c *Client) List(ctx context.Context) (Listing, error) {
 	return Listing{PID: resp.PID, Devices: resp.List}, err
 }
 
-// Status reports how a device (path or spec) is doing; ErrNotMapped if
-// the daemon does not have it.
-func (c *Client) Status(ctx context.Context, target string) (Status, error) {
-	resp, err := c.Call(ctx, Request{Op: OpStatus, Target: target}, false)
+// Status reports how a device (path or spec) is doing, with its
+// allocated bytes if usage is set; ErrNotMapped if the daemon does not
+// have it.
+func (c *Client) Status(ctx context.Context, target string, usage bool) (Status, error) {
+	resp, err := c.Call(ctx, Request{Op: OpStatus, Target: target, Usage: usage}, false)
 	if errors.Is(err, ErrNoDaemon) {
 		return Status{}, ErrNotMapped
 	}

@@ -27,6 +27,9 @@ type Request struct {
 	Op     string  `json:"op"`
 	Record *Record `json:"record,omitempty"`
 	Target string  `json:"target,omitempty"` // device path or spec
+	// Usage asks OpStatus for the allocated bytes, which may cost OSD
+	// reads (without fast-diff it is not computed at all).
+	Usage bool `json:"usage,omitempty"`
 }
 
 // Response codes besides success.
@@ -39,15 +42,24 @@ const (
 // sentinels cross the socket as codes, so a client's errors.Is sees what
 // the daemon saw: ceph's (image or pool missing, permission, lock held,
 // cluster unreachable) as well as the daemon's own.
-var sentinels = map[string]error{
-	CodeNotMapped:     ErrNotMapped,
-	CodeBusy:          ErrBusy,
-	"image_not_found": ceph.ErrImageNotFound,
-	"pool_not_found":  ceph.ErrPoolNotFound,
-	"permission":      ceph.ErrPermission,
-	"locked":          ceph.ErrLocked,
-	"unreachable":     ceph.ErrUnreachable,
-	"in_use":          ceph.ErrImageInUse,
+// The first that matches an error gives its code.
+func sentinels() []struct {
+	code string
+	err  error
+} {
+	return []struct {
+		code string
+		err  error
+	}{
+		{CodeNotMapped, ErrNotMapped},
+		{CodeBusy, ErrBusy},
+		{"image_not_found", ceph.ErrImageNotFound},
+		{"pool_not_found", ceph.ErrPoolNotFound},
+		{"permission", ceph.ErrPermission},
+		{"locked", ceph.ErrLocked},
+		{"unreachable", ceph.ErrUnreachable},
+		{"in_use", ceph.ErrImageInUse},
+	}
 }
 
 // Response is the daemon's answer. Records in it never carry secrets.
@@ -89,9 +101,10 @@ var ErrBusy = errors.New("device is busy")
 // survives the trip (Response.Err).
 func Failure(err error) Response {
 	r := Response{Code: CodeError, Error: err.Error()}
-	for code, s := range sentinels {
-		if errors.Is(err, s) {
-			r.Code = code
+	for _, s := range sentinels() {
+		if errors.Is(err, s.err) {
+			r.Code = s.code
+			break
 		}
 	}
 	return r
@@ -105,8 +118,10 @@ func (r Response) Err() error {
 	case CodeNotMapped:
 		return ErrNotMapped
 	}
-	if s, ok := sentinels[r.Code]; ok {
-		return codeError{r.Error, s}
+	for _, s := range sentinels() {
+		if s.code == r.Code {
+			return codeError{r.Error, s.err}
+		}
 	}
 	return errors.New(r.Error)
 }

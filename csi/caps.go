@@ -25,8 +25,8 @@ type access struct {
 	SingleWriter bool
 }
 
-// fsTypes are the filesystems NodeStage formats and mounts.
-var fsTypes = map[string]bool{"ext4": true, "xfs": true}
+// fsSupported: the filesystems NodeStage formats and mounts.
+func fsSupported(fs string) bool { return fs == "ext4" || fs == "xfs" }
 
 func parseCapability(c *csi.VolumeCapability) (access, error) {
 	var a access
@@ -41,7 +41,7 @@ func parseCapability(c *csi.VolumeCapability) (access, error) {
 		if a.FsType == "" {
 			a.FsType = "ext4"
 		}
-		if !fsTypes[a.FsType] {
+		if !fsSupported(a.FsType) {
 			return a, fmt.Errorf("%w: filesystem %q (want ext4 or xfs)", errBadCapability, a.FsType)
 		}
 		a.MountFlags = c.GetMount().GetMountFlags()
@@ -57,10 +57,10 @@ func parseCapability(c *csi.VolumeCapability) (access, error) {
 	case csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY,
 		csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY:
 		a.ReadOnly = true
-	case csi.VolumeCapability_AccessMode_MULTI_NODE_SINGLE_WRITER,
-		csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER:
+	case csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER:
 		// Shared raw block only: no filesystem survives two nodes
-		// mounting it read-write.
+		// mounting it read-write. (MULTI_NODE_SINGLE_WRITER is refused:
+		// nothing here could keep the other nodes from writing.)
 		if !a.Block {
 			return a, fmt.Errorf("%w: %s needs block access (no filesystem can be shared by nodes)", errBadCapability, m)
 		}

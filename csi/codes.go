@@ -1,6 +1,7 @@
 package csi
 
 import (
+	"context"
 	"errors"
 
 	"google.golang.org/grpc/codes"
@@ -19,6 +20,11 @@ func cephStatus(err error, what string) error {
 	}
 	if _, ok := status.FromError(err); ok {
 		return err
+	}
+	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
+		// Not final: the CO retries, and treats the operation as maybe
+		// done.
+		return status.FromContextError(err).Err()
 	}
 	c := codes.Internal
 	var uc errUnknownCluster

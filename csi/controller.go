@@ -227,7 +227,7 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 	if err != nil {
 		return nil, err
 	}
-	vol, o, err := d.volumeAccess(id, req.GetSecrets())
+	vol, o, err := d.volumeAccess(id, req.GetSecrets(), true)
 	if err != nil {
 		return nil, err
 	}
@@ -252,10 +252,11 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 }
 
 // volumeAccess decodes a volume ID and finds credentials for it: the
-// request's secrets, else the last ones seen for its cluster. Errors are
-// gRPC statuses: a malformed ID or unknown cluster is NotFound (no such
-// volume can exist).
-func (d *Driver) volumeAccess(id string, secrets map[string]string) (volume, ceph.Options, error) {
+// request's secrets, else the controller's Secret, else (for reads only)
+// the last ones seen for its cluster. Errors are gRPC statuses: a
+// malformed ID or unknown cluster is NotFound (no such volume can
+// exist).
+func (d *Driver) volumeAccess(id string, secrets map[string]string, write bool) (volume, ceph.Options, error) {
 	vol, err := parseVolumeID(id)
 	if err != nil {
 		return vol, ceph.Options{}, status.Error(codes.NotFound, err.Error())
@@ -267,7 +268,12 @@ func (d *Driver) volumeAccess(id string, secrets map[string]string) (volume, cep
 	creds, err := credentialsFrom(secrets)
 	if err != nil {
 		var ok bool
-		if creds, ok = d.knownCreds(vol.ClusterID); !ok {
+		if write {
+			creds, ok = d.secretCreds()
+		} else {
+			creds, ok = d.knownCreds(vol.ClusterID)
+		}
+		if !ok {
 			return vol, ceph.Options{}, status.Errorf(codes.InvalidArgument,
 				"%v, and none have been seen for cluster %q yet", err, vol.ClusterID)
 		}

@@ -160,10 +160,14 @@ func TestExpandVolume(t *testing.T) {
 		t.Fatalf("expand %+v %v", resp, err)
 	}
 	resp, err = r.d.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: v.VolumeId,
-		CapacityRange: &csi.CapacityRange{RequiredBytes: 2 << 20}, VolumeCapability: blockCap(rwo)})
+		CapacityRange: &csi.CapacityRange{RequiredBytes: 2 << 20}, VolumeCapability: blockCap(rwo), Secrets: goodSecrets})
 	if err != nil || resp.CapacityBytes != 3<<20 || resp.NodeExpansionRequired {
-		t.Fatalf("no shrink, block needs no node step, remembered credentials: %+v %v", resp, err)
+		t.Fatalf("no shrink, block needs no node step: %+v %v", resp, err)
 	}
+	// A write never borrows credentials another request carried.
+	_, err = r.d.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: v.VolumeId,
+		CapacityRange: &csi.CapacityRange{RequiredBytes: 4 << 20}})
+	wantCode(t, "expand without secrets", err, codes.InvalidArgument, "userID")
 }
 
 func TestListVolumesAndCapacity(t *testing.T) {

@@ -43,7 +43,7 @@ type Attacher interface {
 	Map(ctx context.Context, rec control.Record) (control.Record, error)
 	Unmap(ctx context.Context, target string) error
 	List(ctx context.Context) (control.Listing, error)
-	Status(ctx context.Context, target string) (control.Status, error)
+	Status(ctx context.Context, target string, usage bool) (control.Status, error)
 	Ping(ctx context.Context) error
 }
 
@@ -175,20 +175,31 @@ func (d *Driver) remember(vol volume, c credentials) {
 
 // knownCreds are the credentials for calls that carry none: the
 // controller's own Secret if it has one, else the last ones a call for
-// the cluster carried.
+// the cluster carried. Those may be another StorageClass's, so they
+// only ever serve reads (listing, existence checks, free space).
 func (d *Driver) knownCreds(clusterID string) (credentials, bool) {
-	if dir := d.cfg.ControllerSecretDir; dir != "" {
-		id, err1 := os.ReadFile(filepath.Join(dir, "userID"))
-		key, err2 := os.ReadFile(filepath.Join(dir, "userKey"))
-		if err1 == nil && err2 == nil {
-			return credentials{ID: strings.TrimSpace(string(id)), Key: strings.TrimSpace(string(key))}, true
-		}
-		d.log.Warn("controller secret unreadable", "dir", dir)
+	if c, ok := d.secretCreds(); ok {
+		return c, true
 	}
 	d.credsMu.Lock()
 	defer d.credsMu.Unlock()
 	c, ok := d.creds[clusterID]
 	return c, ok
+}
+
+// secretCreds reads the controller's own Secret (ControllerSecretDir).
+func (d *Driver) secretCreds() (credentials, bool) {
+	dir := d.cfg.ControllerSecretDir
+	if dir == "" {
+		return credentials{}, false
+	}
+	id, err1 := os.ReadFile(filepath.Join(dir, "userID"))
+	key, err2 := os.ReadFile(filepath.Join(dir, "userKey"))
+	if err1 != nil || err2 != nil {
+		d.log.Warn("controller secret unreadable", "dir", dir)
+		return credentials{}, false
+	}
+	return credentials{ID: strings.TrimSpace(string(id)), Key: strings.TrimSpace(string(key))}, true
 }
 
 // describe is a request's volume for logs and errors.

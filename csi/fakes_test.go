@@ -163,13 +163,18 @@ type fakeAttacher struct {
 	mu      sync.Mutex
 	devs    map[int]control.Record
 	mapErr  error
+	lateErr error // returned after mapping: a map that outlived its caller
 	busy    bool
-	blockOn chan struct{} // Map waits on it, if set
+	blockOn chan struct{} // Map waits on it, if set,
+	inMap   chan struct{} // after closing this, if set
 	maps    []control.Record
 }
 
 func (a *fakeAttacher) Map(ctx context.Context, rec control.Record) (control.Record, error) {
 	if a.blockOn != nil {
+		if a.inMap != nil {
+			close(a.inMap)
+		}
 		<-a.blockOn
 	}
 	a.mu.Lock()
@@ -187,6 +192,9 @@ func (a *fakeAttacher) Map(ctx context.Context, rec control.Record) (control.Rec
 	}
 	a.devs[rec.Index] = rec
 	a.maps = append(a.maps, rec)
+	if a.lateErr != nil {
+		return control.Record{}, a.lateErr
+	}
 	return rec.Public(), nil
 }
 
@@ -215,7 +223,7 @@ func (a *fakeAttacher) List(ctx context.Context) (control.Listing, error) {
 	return l, nil
 }
 
-func (a *fakeAttacher) Status(ctx context.Context, target string) (control.Status, error) {
+func (a *fakeAttacher) Status(ctx context.Context, target string, usage bool) (control.Status, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	for _, r := range a.devs {

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
@@ -21,9 +22,11 @@ import (
 // ceph-csi has them: no discard pass over a thin image, lazy inode and
 // journal init so a large volume formats in seconds (mount-utils adds
 // -F -m0 for ext4, -f for xfs).
-var defaultMkfs = map[string][]string{
-	"ext4": {"-E", "nodiscard,lazy_itable_init=1,lazy_journal_init=1"},
-	"xfs":  {"-K"},
+func defaultMkfs(fs string) []string {
+	if fs == "xfs" {
+		return []string{"-K"}
+	}
+	return []string{"-E", "nodiscard,lazy_itable_init=1,lazy_journal_init=1"}
 }
 
 // NodeStageVolume maps the image through the node daemon and formats and
@@ -72,8 +75,16 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 		if old.StagingPath != staging {
 			return nil, status.Errorf(codes.FailedPrecondition, "volume %s is staged at %s", id, old.StagingPath)
 		}
+		if old.Block != a.Block || old.FsType != a.FsType || old.ReadOnly != (a.ReadOnly ||
+			req.GetPublishContext()[publishReadOnly] == "true") {
+			return nil, status.Errorf(codes.AlreadyExists,
+				"volume %s is staged with another capability (%s %s, read-only %v)", id, accessName(old.Block), old.FsType, old.ReadOnly)
+		}
 		if done, err := d.staged(ctx, old); err != nil || done {
-			return &csi.NodeStageVolumeResponse{}, err
+			if err != nil {
+				return nil, err
+			}
+			return &csi.NodeStageVolumeResponse{}, nil
 		}
 		// A stage that did not finish (a plugin killed mid-way): do it
 		// again, taking over what it left.
@@ -81,6 +92,9 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 	ro := a.ReadOnly || req.GetPublishContext()[publishReadOnly] == "true"
 	tx := &stageTx{d: d, rec: stageRecord{VolumeID: id, StagingPath: staging, Block: a.Block,
 		FsType: a.FsType, MountFlags: a.MountFlags, ReadOnly: ro, SingleWriter: a.SingleWriter}}
+	if old, ok, _ := d.state.load(id); ok {
+		tx.rec.Published = old.Published // what an interrupted stage had published stays known
+	}
 	dev := control.Record{Index: control.AnyIndex, Spec: vol.Spec.String(), Cookie: id,
 		ReadOnly: ro, Exclusive: a.Exclusive && !ro, Ceph: cl.options(creds, 0), MaxSectorsKB: 4096}
 	mo.apply(&dev, d.cfg.Connections)
@@ -114,11 +128,12 @@ func (tx *stageTx) run(ctx context.Context, dev control.Record, mkfsOptions stri
 	if err != nil {
 		return err
 	}
+	// Marked before the call: a map that outlives our deadline still
+	// completes in the daemon, and undo must find it (by cookie).
 	tx.mapped = true
 	if device == "" {
 		got, err := d.cfg.Attacher.Map(ctx, dev)
 		if err != nil {
-			tx.mapped = false
 			return mapStatus(err, dev.Spec)
 		}
 		device = got.Device()
@@ -163,7 +178,7 @@ func (tx *stageTx) run(ctx context.Context, dev control.Record, mkfsOptions stri
 	if rec.ReadOnly {
 		opts = append(opts, "ro")
 	}
-	format := defaultMkfs[rec.FsType]
+	format := defaultMkfs(rec.FsType)
 	if mkfsOptions != "" {
 		format = strings.Fields(mkfsOptions)
 	}
@@ -181,6 +196,9 @@ func (tx *stageTx) run(ctx context.Context, dev control.Record, mkfsOptions stri
 // undo reverses the finished steps. If a step cannot be undone the
 // record stays, so NodeUnstage (or the next stage) can finish the job.
 func (tx *stageTx) undo(ctx context.Context) {
+	// The call's own deadline may be what failed it: undo gets its own.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Minute)
+	defer cancel()
 	d, rec := tx.d, tx.rec
 	var errs []error
 	target := rec.stageTarget()
@@ -219,9 +237,9 @@ func (d *Driver) staged(ctx context.Context, rec stageRecord) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	if dev == "" {
+	if dev != rec.Device {
 		return false, status.Errorf(codes.FailedPrecondition,
-			"volume %s is mounted at %s but its device is gone: unstage it first", rec.VolumeID, rec.StagingPath)
+			"volume %s is mounted at %s but its device %s is gone: unstage it first", rec.VolumeID, rec.StagingPath, rec.Device)
 	}
 	return true, nil
 }
@@ -290,11 +308,31 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 	if err != nil {
 		return nil, status.Error(codes.Internal, err.Error())
 	}
-	if !ok || rec.StagingPath != staging {
-		// No record (a node whose /run was wiped): what the path holds
-		// says what it was.
-		_, err := os.Stat(filepath.Join(staging, blockFile))
-		rec = stageRecord{VolumeID: id, StagingPath: staging, Block: err == nil}
+	if ok && rec.StagingPath != staging {
+		// Staged elsewhere: this path is not the volume's staging; clean
+		// it, and leave the staged volume (and its device) alone.
+		if err := unmountAll(d.cfg.Mounter, staging); err != nil {
+			return nil, status.Errorf(codes.Internal, "unmount %s: %v", staging, err)
+		}
+		return &csi.NodeUnstageVolumeResponse{}, nil
+	}
+	if !ok {
+		// No record (a node whose /run was wiped): what is mounted says
+		// what it was. A mounted filesystem is not block, whatever files
+		// it holds.
+		rec = stageRecord{VolumeID: id, StagingPath: staging}
+		if notMnt, err := mount.IsNotMountPoint(d.cfg.Mounter, staging); err != nil || notMnt {
+			_, err := os.Stat(filepath.Join(staging, blockFile))
+			rec.Block = err == nil
+		}
+	}
+	// A published raw-block device looks idle to the daemon's busy check
+	// (bind mounts and plain opens hold no exclusive claim): refuse while
+	// a publish is still mounted.
+	for _, p := range rec.Published {
+		if notMnt, err := mount.IsNotMountPoint(d.cfg.Mounter, p); err == nil && !notMnt {
+			return nil, status.Errorf(codes.FailedPrecondition, "volume %s is still published at %s", id, p)
+		}
 	}
 	target := rec.stageTarget()
 	if err := unmountAll(d.cfg.Mounter, target); err != nil {
@@ -367,6 +405,11 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 		return nil, status.Errorf(codes.FailedPrecondition, "volume %s is staged at %s, not %s", id, rec.StagingPath, staging)
 	case a.Block != rec.Block:
 		return nil, status.Errorf(codes.InvalidArgument, "volume %s is staged for %s access", id, accessName(rec.Block))
+	}
+	if dev, err := d.deviceOf(ctx, id); err != nil {
+		return nil, err
+	} else if dev != rec.Device {
+		return nil, status.Errorf(codes.FailedPrecondition, "volume %s: its device %s is no longer mapped", id, rec.Device)
 	}
 	others := slices.DeleteFunc(slices.Clone(rec.Published), func(p string) bool { return p == target })
 	if (rec.SingleWriter || a.SingleWriter) && len(others) > 0 {
@@ -455,7 +498,11 @@ func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublish
 	if err := removeIfExists(target); err != nil {
 		return nil, status.Errorf(codes.Internal, "remove %s: %v", target, err)
 	}
-	if rec, ok, err := d.state.load(id); err == nil && ok {
+	rec, ok, err := d.state.load(id)
+	if err != nil {
+		return nil, status.Error(codes.Internal, err.Error())
+	}
+	if ok {
 		rec.unpublish(target)
 		if err := d.saveStatus(rec); err != nil {
 			return nil, err

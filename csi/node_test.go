@@ -3,6 +3,7 @@ package csi
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -89,7 +90,7 @@ func TestStageUnstageFilesystem(t *testing.T) {
 }
 
 func TestStageRollsBackEveryStep(t *testing.T) {
-	for _, step := range []string{"map", "target", "mkfs", "mount", "bind"} {
+	for _, step := range []string{"map", "late map", "target", "mkfs", "mount", "bind"} {
 		t.Run(step, func(t *testing.T) {
 			r := newRig(t)
 			ctx := context.Background()
@@ -102,6 +103,12 @@ func TestStageRollsBackEveryStep(t *testing.T) {
 			case "map":
 				r.att.mapErr = errors.Join(errors.New("image rbd/x does not exist"), ceph.ErrImageNotFound)
 				want = codes.NotFound
+			case "late map":
+				// The daemon mapped, but the call's deadline passed first:
+				// the device must still be unmapped, and the code is not
+				// final.
+				r.att.lateErr = fmt.Errorf("control socket: %w", context.DeadlineExceeded)
+				want = codes.DeadlineExceeded
 			case "target":
 				// A block stage whose file cannot be created.
 				c = blockCap(rwo)
@@ -155,9 +162,11 @@ func TestPublishUnpublish(t *testing.T) {
 	if _, err := os.Stat(t2); !errors.Is(err, os.ErrNotExist) {
 		t.Fatal("a refused publish left its target")
 	}
+	// Unstage while a pod still has it: refused, the device kept.
 	_, err := r.d.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: v.VolumeId, StagingTargetPath: staging})
-	if err != nil {
-		t.Fatal(err)
+	wantCode(t, "unstage while published", err, codes.FailedPrecondition, "still published")
+	if r.att.mapped() != 1 {
+		t.Fatal("unstage of a published volume unmapped it")
 	}
 	for range 2 {
 		if _, err := r.d.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: v.VolumeId, TargetPath: t1}); err != nil {
@@ -166,6 +175,14 @@ func TestPublishUnpublish(t *testing.T) {
 	}
 	if _, err := os.Stat(t1); !errors.Is(err, os.ErrNotExist) {
 		t.Fatal("target left after unpublish")
+	}
+	// Unstage from a path the volume is not staged at leaves it alone.
+	if _, err := r.d.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: v.VolumeId,
+		StagingTargetPath: filepath.Join(r.dir, "elsewhere")}); err != nil || r.att.mapped() != 1 {
+		t.Fatalf("unstage elsewhere: %v, %d mapped", err, r.att.mapped())
+	}
+	if _, err := r.d.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: v.VolumeId, StagingTargetPath: staging}); err != nil {
+		t.Fatal(err)
 	}
 	// Two pods on one node: SINGLE_NODE_MULTI_WRITER, one read-only.
 	c = mountCap("ext4", csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER)
@@ -323,20 +340,15 @@ func TestNodeValidationAndLocks(t *testing.T) {
 	v := r.create(t, "pvc-l", 1<<20, nil)
 	staging := filepath.Join(r.dir, "staging")
 	os.Mkdir(staging, 0o750)
-	r.att.blockOn = make(chan struct{})
-	done := make(chan error)
+	r.att.blockOn, r.att.inMap = make(chan struct{}), make(chan struct{})
+	done := make(chan error, 1)
 	go func() {
 		_, err := r.d.NodeStageVolume(ctx, r.stageReq(v, staging, c))
 		done <- err
 	}()
-	for {
-		_, err := r.d.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: v.VolumeId, StagingTargetPath: staging})
-		if err != nil {
-			wantCode(t, "unstage while staging", err, codes.Aborted)
-			break
-		}
-		time.Sleep(time.Millisecond)
-	}
+	<-r.att.inMap // the stage holds the volume's lock, waiting in the map
+	_, err := r.d.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: v.VolumeId, StagingTargetPath: staging})
+	wantCode(t, "unstage while staging", err, codes.Aborted)
 	close(r.att.blockOn)
 	if err := <-done; err != nil {
 		t.Fatal(err)

@@ -26,7 +26,9 @@ type params struct {
 
 // defaultFeatures: exclusive-lock is what lets RWO volumes map with the
 // exclusive lock; object-map and fast-diff make used-bytes stats cheap.
-var defaultFeatures = []string{"layering", "exclusive-lock", "object-map", "fast-diff", "deep-flatten"}
+func defaultFeatures() []string {
+	return []string{"layering", "exclusive-lock", "object-map", "fast-diff", "deep-flatten"}
+}
 
 // Parameter keys the CO adds or ceph-csi's StorageClasses carry that are
 // not ours to act on but must not be refused.
@@ -88,7 +90,7 @@ func parseParams(in map[string]string) (params, error) {
 		return p, fmt.Errorf("parameter %q: bad pool name", "pool")
 	}
 	if p.Features == nil {
-		p.Features = defaultFeatures
+		p.Features = defaultFeatures()
 	}
 	return p, nil
 }

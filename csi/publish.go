@@ -73,7 +73,7 @@ func (d *Driver) checkNode(ctx context.Context, node string) error {
 // call that carried secrets) it cannot look, and lets the call through:
 // NodeStage, which has secrets, finds out.
 func (d *Driver) checkExists(vol volume, secrets map[string]string) error {
-	_, o, err := d.volumeAccess(vol.ID(), secrets)
+	_, o, err := d.volumeAccess(vol.ID(), secrets, false)
 	if status.Code(err) == codes.InvalidArgument {
 		d.log.Info("cannot check that the volume exists: no credentials", "volume", vol.ID())
 		return nil

@@ -81,7 +81,7 @@ func handle(m *attach.Manager, req control.Request) control.Response {
 	case control.OpDetach:
 		return one(control.Record{}, m.Detach(req.Target))
 	case control.OpStatus:
-		st, err := m.Status(req.Target)
+		st, err := m.Status(req.Target, req.Usage)
 		if err != nil {
 			return control.Failure(err)
 		}

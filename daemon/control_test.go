@@ -106,12 +106,12 @@ func TestControlSocket(t *testing.T) {
 	if err != nil || len(ls.Devices) != 1 || ls.Devices[0].Ceph.Key != "" || ls.PID != os.Getpid() {
 		t.Fatalf("list %+v %v", ls, err)
 	}
-	st, err := c.Status(ctx, "/dev/nbd0")
+	st, err := c.Status(ctx, "/dev/nbd0", true)
 	if err != nil || !st.Served || st.Connections != 1 || st.Live != 1 || st.Size != 1<<20 ||
 		st.Used != nil || st.UsedError == "" || st.Record.Ceph.Key != "" {
 		t.Fatalf("status %+v %v", st, err)
 	}
-	if _, err := c.Status(ctx, "/dev/nbd7"); !errors.Is(err, control.ErrNotMapped) {
+	if _, err := c.Status(ctx, "/dev/nbd7", false); !errors.Is(err, control.ErrNotMapped) {
 		t.Fatalf("status of an unmapped device: %v", err)
 	}
 	if err := c.Unmap(ctx, "/dev/nbd5"); !errors.Is(err, control.ErrNotMapped) {
