@@ -267,13 +267,22 @@ func sameSpec(a, b string) bool {
 
 // Unmap flushes and disconnects a device and forgets it. A mounted (or
 // exclusively opened) device is refused with control.ErrBusy.
-func (m *Manager) Unmap(target string) error {
+func (m *Manager) Unmap(target string) error { return m.UnmapCookie(target, "") }
+
+// UnmapCookie is Unmap of a device only if it still carries cookie
+// (empty: any). The check is made under the device's lock, so a caller
+// that looked the device up first cannot unmap another volume that took
+// its index meanwhile.
+func (m *Manager) UnmapCookie(target, cookie string) error {
 	d, err := m.lockTarget(target)
 	if err != nil {
 		return err
 	}
 	defer d.mu.Unlock()
 	rec := d.rec
+	if cookie != "" && rec.Cookie != cookie {
+		return control.ErrNotMapped
+	}
 	path := filepath.Join(m.cfg.Dev, fmt.Sprintf("nbd%d", rec.Index))
 	if f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_EXCL, 0); err == nil {
 		// Push the device's page cache down before the sockets go.

@@ -53,16 +53,22 @@ func (c *Client) device(ctx context.Context, op string, rec Record) (Record, err
 // Unmap flushes and removes a device, by path (/dev/nbdN) or spec.
 // ErrNotMapped when nothing serves it.
 func (c *Client) Unmap(ctx context.Context, target string) error {
-	return c.target(ctx, OpUnmap, target)
+	return c.target(ctx, Request{Op: OpUnmap, Target: target})
+}
+
+// UnmapCookie unmaps target only if the device still carries cookie:
+// ErrNotMapped if it does not (another volume took its index).
+func (c *Client) UnmapCookie(ctx context.Context, target, cookie string) error {
+	return c.target(ctx, Request{Op: OpUnmap, Target: target, Cookie: cookie})
 }
 
 // Detach stops serving a device but leaves it in the kernel.
 func (c *Client) Detach(ctx context.Context, target string) error {
-	return c.target(ctx, OpDetach, target)
+	return c.target(ctx, Request{Op: OpDetach, Target: target})
 }
 
-func (c *Client) target(ctx context.Context, op, target string) error {
-	resp, err := c.Call(ctx, Request{Op: op, Target: target}, false)
+func (c *Client) target(ctx context.Context, req Request) error {
+	resp, err := c.Call(ctx, req, false)
 	if errors.Is(err, ErrNoDaemon) {
 		return ErrNotMapped
 	}

@@ -27,6 +27,8 @@ type Request struct {
 	Op     string  `json:"op"`
 	Record *Record `json:"record,omitempty"`
 	Target string  `json:"target,omitempty"` // device path or spec
+	// Cookie, if set, makes unmap act only on a device that carries it.
+	Cookie string `json:"cookie,omitempty"`
 	// Usage asks OpStatus for the allocated bytes, which may cost OSD
 	// reads (without fast-diff it is not computed at all).
 	Usage bool `json:"usage,omitempty"`

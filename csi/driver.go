@@ -41,7 +41,7 @@ type Images interface {
 // (control.Client).
 type Attacher interface {
 	Map(ctx context.Context, rec control.Record) (control.Record, error)
-	Unmap(ctx context.Context, target string) error
+	UnmapCookie(ctx context.Context, target, cookie string) error
 	List(ctx context.Context) (control.Listing, error)
 	Status(ctx context.Context, target string, usage bool) (control.Status, error)
 	Ping(ctx context.Context) error

@@ -198,11 +198,11 @@ func (a *fakeAttacher) Map(ctx context.Context, rec control.Record) (control.Rec
 	return rec.Public(), nil
 }
 
-func (a *fakeAttacher) Unmap(ctx context.Context, target string) error {
+func (a *fakeAttacher) UnmapCookie(ctx context.Context, target, cookie string) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	for i, r := range a.devs {
-		if r.Device() == target {
+		if r.Device() == target && r.Cookie == cookie {
 			if a.busy {
 				return fmt.Errorf("%s: %w", target, control.ErrBusy)
 			}

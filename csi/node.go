@@ -264,7 +264,7 @@ func (d *Driver) unmapVolume(ctx context.Context, volID string) error {
 	if err != nil || dev == "" {
 		return err
 	}
-	err = d.cfg.Attacher.Unmap(ctx, dev)
+	err = d.cfg.Attacher.UnmapCookie(ctx, dev, volID)
 	if errors.Is(err, control.ErrNotMapped) {
 		return nil
 	}

@@ -77,7 +77,7 @@ func handle(m *attach.Manager, req control.Request) control.Response {
 		}
 		return one(m.Attach(*req.Record))
 	case control.OpUnmap:
-		return one(control.Record{}, m.Unmap(req.Target))
+		return one(control.Record{}, m.UnmapCookie(req.Target, req.Cookie))
 	case control.OpDetach:
 		return one(control.Record{}, m.Detach(req.Target))
 	case control.OpStatus:

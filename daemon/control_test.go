@@ -117,6 +117,9 @@ func TestControlSocket(t *testing.T) {
 	if err := c.Unmap(ctx, "/dev/nbd5"); !errors.Is(err, control.ErrNotMapped) {
 		t.Fatalf("unmap of an unmapped device: %v", err)
 	}
+	if err := c.UnmapCookie(ctx, "/dev/nbd0", "another-volume"); !errors.Is(err, control.ErrNotMapped) {
+		t.Fatalf("unmap with another volume's cookie: %v", err)
+	}
 	if err := c.Unmap(ctx, "/dev/nbd0"); err != nil {
 		t.Fatalf("unmap: %v", err)
 	}
