@@ -21,7 +21,9 @@ func TestBoxCPUCountsBusyTime(t *testing.T) {
 	if busy := b.busy - a.busy; busy < 0.1 {
 		t.Errorf("box busy time grew %.2f s over 0.2 s of spinning", busy)
 	}
-	if b.all-a.all < b.busy-a.busy {
+	// One tick of slack: on a saturated box the counters are sampled a
+	// tick apart and iowait may even step back.
+	if b.all-a.all < b.busy-a.busy-0.02 {
 		t.Errorf("all time %.2f s < busy time %.2f s", b.all-a.all, b.busy-a.busy)
 	}
 }
