@@ -2,7 +2,6 @@ package csi
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"net"
@@ -17,10 +16,12 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
 )
 
-// Listen opens a CSI endpoint: unix:///path (mode 0600, a stale socket
-// replaced) or tcp://host:port.
+// Listen opens a CSI endpoint: unix:///path (nbd.ListenUnix: mode 0600,
+// a stale socket replaced) or tcp://host:port.
 func Listen(endpoint string) (net.Listener, error) {
 	u, err := url.Parse(endpoint)
 	if err != nil {
@@ -38,18 +39,9 @@ func Listen(endpoint string) (net.Listener, error) {
 		if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 			return nil, err
 		}
-		if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
-			return nil, fmt.Errorf("endpoint %q: %w", endpoint, err)
-		}
-		l, err := net.Listen("unix", path)
-		if err != nil {
-			return nil, err
-		}
-		if err := os.Chmod(path, 0o600); err != nil {
-			l.Close()
-			return nil, err
-		}
-		return l, nil
+		// 0600 from the first moment; a dead plugin's socket replaced,
+		// a live one's refused.
+		return nbd.ListenUnix(path)
 	case "tcp":
 		return net.Listen("tcp", u.Host)
 	}

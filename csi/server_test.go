@@ -2,6 +2,7 @@ package csi
 
 import (
 	"context"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -31,6 +32,13 @@ func TestServerInterceptors(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go r.d.Serve(ctx, l)
+	if fi, err := os.Stat(sock); err != nil || fi.Mode().Perm() != 0o600 {
+		t.Fatalf("endpoint mode %v %v, want 0600", fi.Mode(), err)
+	}
+	if l2, err := Listen("unix://" + sock); err == nil {
+		l2.Close()
+		t.Fatal("a second plugin took a live endpoint")
+	}
 	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
