@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -96,7 +97,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	vol := volume{ClusterID: p.ClusterID, Spec: ceph.ImageSpec{Pool: p.Pool,
 		Namespace: cl.RBD.RadosNamespace, Image: imageName(name)}}
 	features := p.Features
-	if needsExclusive(accs) && !contains(features, "exclusive-lock") {
+	if needsExclusive(accs) && !slices.Contains(features, "exclusive-lock") {
 		features = append(append([]string{}, features...), "exclusive-lock")
 	}
 	info, err := d.cfg.Images.ImageInfo(o, vol.Spec)
@@ -152,15 +153,6 @@ func volumeContext(p params, vol volume) map[string]string {
 func needsExclusive(accs []access) bool {
 	for _, a := range accs {
 		if a.Exclusive {
-			return true
-		}
-	}
-	return false
-}
-
-func contains(list []string, s string) bool {
-	for _, x := range list {
-		if x == s {
 			return true
 		}
 	}

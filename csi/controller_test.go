@@ -4,6 +4,7 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -95,7 +96,7 @@ func TestCreateVolumeIdempotent(t *testing.T) {
 		t.Fatalf("repeat made another volume: %v %v", v1, v2)
 	}
 	info := r.images.images["rbd/"+imageName("pvc-1")]
-	if info.Meta[metaName] != "pvc-1" || !contains(info.Features, "exclusive-lock") || !contains(info.Features, "fast-diff") {
+	if info.Meta[metaName] != "pvc-1" || !slices.Contains(info.Features, "exclusive-lock") || !slices.Contains(info.Features, "fast-diff") {
 		t.Fatalf("image %+v", info)
 	}
 	_, err := r.d.CreateVolume(context.Background(), &csi.CreateVolumeRequest{Name: "pvc-1",
@@ -109,7 +110,7 @@ func TestCreateVolumeIdempotent(t *testing.T) {
 		t.Fatalf("namespaced volume ID %s", v3.VolumeId)
 	}
 	// RWO needs the lock: exclusive-lock is added to a layering-only list.
-	if f := r.images.images["rbd/tenant/"+imageName("pvc-ns")].Features; !contains(f, "exclusive-lock") {
+	if f := r.images.images["rbd/tenant/"+imageName("pvc-ns")].Features; !slices.Contains(f, "exclusive-lock") {
 		t.Fatalf("features %v", f)
 	}
 }

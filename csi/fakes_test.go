@@ -22,11 +22,10 @@ import (
 
 // fakeImages is image management in memory, keyed by spec string.
 type fakeImages struct {
-	mu       sync.Mutex
-	images   map[string]ceph.ImageInfo
-	pools    map[string]bool
-	goodKey  string
-	failNext error // returned once by the next call
+	mu      sync.Mutex
+	images  map[string]ceph.ImageInfo
+	pools   map[string]bool
+	goodKey string
 }
 
 func newFakeImages() *fakeImages {
@@ -35,10 +34,6 @@ func newFakeImages() *fakeImages {
 }
 
 func (f *fakeImages) check(o ceph.Options, pool string) error {
-	if err := f.failNext; err != nil {
-		f.failNext = nil
-		return err
-	}
 	if o.Key != f.goodKey {
 		return fmt.Errorf("connect: %w", ceph.ErrPermission)
 	}

@@ -134,7 +134,9 @@ func (tx *stageTx) run(ctx context.Context, dev control.Record, mkfsOptions stri
 	if device == "" {
 		got, err := d.cfg.Attacher.Map(ctx, dev)
 		if err != nil {
-			return mapStatus(err, dev.Spec)
+			// Missing image: NotFound; wrong key: PermissionDenied;
+			// lock held by another node: FailedPrecondition.
+			return cephStatus(err, "map "+dev.Spec)
 		}
 		device = got.Device()
 	}
@@ -276,13 +278,6 @@ func (d *Driver) unmapVolume(ctx context.Context, volID string) error {
 	}
 	d.log.Info("unmapped", "volume", volID, "device", dev)
 	return nil
-}
-
-// mapStatus gives a failed map its code: missing image or pool NotFound,
-// a wrong key PermissionDenied, the lock held by another node
-// FailedPrecondition, an unreachable cluster Unavailable.
-func mapStatus(err error, spec string) error {
-	return cephStatus(err, "map "+spec)
 }
 
 func removeIfExists(path string) error {
