@@ -8,11 +8,13 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"golang.org/x/sync/errgroup"
 	"k8s.io/klog/v2"
 	"k8s.io/mount-utils"
 	utilexec "k8s.io/utils/exec"
 
 	"github.com/rbd-nbd-go/rbd-nbd-go/csi"
+	"github.com/rbd-nbd-go/rbd-nbd-go/csi/kubelet"
 	"github.com/rbd-nbd-go/rbd-nbd-go/rbdio"
 )
 
@@ -22,6 +24,8 @@ type csiOpts struct {
 	clustersConfig               string
 	nodeRegistry                 string
 	controllerSecretDir          string
+	registrationPath             string
+	registrationDir              string
 }
 
 // newCSI is the CSI driver's entry point, with ceph-csi's flag names:
@@ -53,6 +57,10 @@ StorageClass parameters and Secret keys are ceph-csi's.`,
 		"directory with userID and userKey files (a mounted Secret): credentials for the calls that carry none (ListVolumes, GetCapacity, Probe)")
 	f.StringVar(&o.nodeRegistry, "node-registry", "",
 		"directory shared by controller and nodes: nodes register there and ControllerPublish refuses unknown node IDs (default: accept any)")
+	f.StringVar(&o.registrationPath, "kubelet-registration-path", "",
+		"register the node plugin with the kubelet, giving it this host path of the CSI socket (leave empty when node-driver-registrar does it)")
+	f.StringVar(&o.registrationDir, "plugin-registration-dir", kubelet.DefaultRegistrationDir,
+		"the kubelet's plugin registration directory, as mounted in this container")
 	return cmd
 }
 
@@ -104,5 +112,14 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 	if err != nil {
 		return err
 	}
-	return d.Serve(ctx, l)
+	// The registration socket opens beside the CSI socket, which already
+	// listens: the kubelet calls NodeGetInfo as soon as it learns of us.
+	// Either failing stops the other, and the plugin exits with the error.
+	eg, ectx := errgroup.WithContext(ctx)
+	eg.Go(func() error { return d.Serve(ectx, l) })
+	if o.node && o.registrationPath != "" {
+		reg := &kubelet.Registration{Driver: o.driverName, Endpoint: o.registrationPath, Log: log}
+		eg.Go(func() error { return reg.Serve(ectx, o.registrationDir) })
+	}
+	return eg.Wait()
 }

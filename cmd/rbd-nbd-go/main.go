@@ -53,7 +53,7 @@ func newRoot() *cobra.Command {
 	g := &globalOpts{}
 	addGlobalFlags(root.PersistentFlags(), g)
 	root.AddCommand(newServe(g), newMap(g), newAttach(g), newUnmap(g), newDetach(g), newListMapped(g), newDaemon(g),
-		newCSI(g, version))
+		newCSI(g, version), newLiveness(g))
 	return root
 }
 

@@ -1,0 +1,48 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/csi/kubelet"
+)
+
+// newLiveness is the livenessprobe sidecar's job with its flag names, so
+// a pod spec can use either image.
+func newLiveness(g *globalOpts) *cobra.Command {
+	var (
+		addr, endpoint string
+		port           int
+		timeout        time.Duration
+	)
+	cmd := &cobra.Command{
+		Use:   "liveness --csi-address /csi/csi.sock [--http-endpoint 127.0.0.1:9808]",
+		Short: "Serve /healthz for the kubelet by calling the CSI plugin's Probe",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if endpoint == "" {
+				endpoint = fmt.Sprintf("127.0.0.1:%d", port)
+			}
+			l, err := net.Listen("tcp", endpoint)
+			if err != nil {
+				return err
+			}
+			ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+			defer stop()
+			lv := &kubelet.Liveness{CSIAddress: addr, ProbeTimeout: timeout, Log: logger(g.logLevel)}
+			return lv.Serve(ctx, l)
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&addr, "csi-address", "/run/csi/socket", "the CSI plugin's socket")
+	f.IntVar(&port, "health-port", 9808, "port on 127.0.0.1 for /healthz (unless --http-endpoint)")
+	f.StringVar(&endpoint, "http-endpoint", "", "host:port for /healthz (default 127.0.0.1:<health-port>; loopback unless told otherwise)")
+	f.DurationVar(&timeout, "probe-timeout", time.Second, "how long one Probe may take")
+	return cmd
+}
