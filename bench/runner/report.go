@@ -12,6 +12,39 @@ type cell struct {
 	BoxCPUusPerIO, BoxBusy                           float64
 }
 
+// A measure is one figure of a cell that the report compares with the
+// baseline's: the ratios table and the chart both take it from here.
+type measure struct {
+	title string // the chart panel's, before "relative to <baseline>"
+	val   func(cell) float64
+}
+
+var (
+	iopsMeasure      = measure{"IOPS", func(c cell) float64 { return c.IOPS }}
+	serverCPUMeasure = measure{"Server CPU per I/O", func(c cell) float64 { return c.CPUusPerIO }}
+	// fio+server is all a contender costs the client machine, whichever
+	// process pays: for direct librbd, fio's CPU is all of librbd's work.
+	// It is 0 for results saved before fio's CPU was measured, so that no
+	// ratio is taken of the server's CPU alone under this name.
+	fioServerCPUMeasure = measure{"fio+server CPU per I/O", func(c cell) float64 {
+		if c.ClientCPUusPerIO == 0 {
+			return 0
+		}
+		return c.CPUusPerIO + c.ClientCPUusPerIO
+	}}
+	boxCPUMeasure = measure{"Whole box's CPU per I/O (fio, server, OSD, kernel)",
+		func(c cell) float64 { return c.BoxCPUusPerIO }}
+)
+
+// ratio is s's figure over the baseline b's, or 0 where b has none (no
+// server process, or a figure not measured when the results were saved).
+func (m measure) ratio(s, b cell) float64 {
+	if bv := m.val(b); bv > 0 {
+		return m.val(s) / bv
+	}
+	return 0
+}
+
 type jobSummary struct {
 	Job     string          `json:"job"`
 	Servers map[string]cell `json:"servers"`
@@ -73,19 +106,11 @@ func summarize(samples []sample, jobs []string, servers []server, baseline, subj
 				median(box), median(busy)}
 		}
 		js.RoundRatios = roundRatios(samples, job, baseline, subject)
-		b, s := js.Servers[baseline], js.Servers[subject]
-		if b.IOPS > 0 {
-			js.IOPSRatio = s.IOPS / b.IOPS
-		}
-		if b.CPUusPerIO > 0 {
-			js.CPURatio = s.CPUusPerIO / b.CPUusPerIO
-		}
-		if b.ClientCPUusPerIO > 0 {
-			js.TotalCPURatio = (s.CPUusPerIO + s.ClientCPUusPerIO) / (b.CPUusPerIO + b.ClientCPUusPerIO)
-		}
-		if b.BoxCPUusPerIO > 0 {
-			js.BoxCPURatio = s.BoxCPUusPerIO / b.BoxCPUusPerIO
-		}
+		s, b := js.Servers[subject], js.Servers[baseline]
+		js.IOPSRatio = iopsMeasure.ratio(s, b)
+		js.CPURatio = serverCPUMeasure.ratio(s, b)
+		js.TotalCPURatio = fioServerCPUMeasure.ratio(s, b)
+		js.BoxCPURatio = boxCPUMeasure.ratio(s, b)
 		r.Jobs = append(r.Jobs, js)
 	}
 	return r
@@ -118,7 +143,7 @@ func markdown(r report, title string, runtime, rounds int) string {
 		for _, srv := range r.Servers {
 			c := j.Servers[srv]
 			fmt.Fprintf(&b, "| %s | %s | %.0f | %.1f | %.0f | %.2f | %.2f | %.2f | %s |\n", j.Job, srv, c.IOPS, c.MiBps,
-				c.P99us, c.CPUusPerIO, c.ClientCPUusPerIO, c.CPUusPerIO+c.ClientCPUusPerIO, boxCells(c))
+				c.P99us, c.CPUusPerIO, c.ClientCPUusPerIO, fioServerCPUMeasure.val(c), boxCells(c))
 		}
 	}
 	b.WriteString("\n## Ratios and targets\n\n| job | IOPS ratio | CPU/IO ratio | fio+server CPU/IO ratio | box CPU/IO ratio | target | others' IOPS ratios |\n" +
@@ -135,10 +160,10 @@ func markdown(r report, title string, runtime, rounds int) string {
 			verdict = map[bool]string{true: "met", false: "MISSED"}[met] + " (" + want + ")"
 		}
 		var others []string
-		if base := j.Servers[r.Baseline].IOPS; base > 0 {
+		if base := j.Servers[r.Baseline]; base.IOPS > 0 {
 			for _, srv := range r.Servers {
 				if srv != r.Baseline && srv != r.Subject {
-					others = append(others, fmt.Sprintf("%s %.2f×", srv, j.Servers[srv].IOPS/base))
+					others = append(others, fmt.Sprintf("%s %.2f×", srv, iopsMeasure.ratio(j.Servers[srv], base)))
 				}
 			}
 		}
@@ -170,8 +195,39 @@ func ratioCell(v float64) string {
 	return "—"
 }
 
-// chart draws two panels of grouped bars: IOPS and server CPU per I/O,
-// each normalised to the baseline (the dashed line at 1.0).
+// cpuMeasures picks the chart's CPU panels. Where the baseline has a
+// server process (nbdkit) the panel is the server's CPU per I/O, as it
+// always was. Where it has none (direct librbd: all of librbd's work is
+// fio's) that panel would be all zeros, so the chart shows what the
+// ratios table compares instead: the whole box's CPU per I/O, which
+// bounds IOPS when the box is saturated, and fio+server's; each only if
+// the baseline has it (results saved before it was measured do not).
+func cpuMeasures(r report) []measure {
+	if baselineHas(r, serverCPUMeasure) {
+		return []measure{serverCPUMeasure}
+	}
+	var ms []measure
+	for _, m := range []measure{boxCPUMeasure, fioServerCPUMeasure} {
+		if baselineHas(r, m) {
+			ms = append(ms, m)
+		}
+	}
+	return ms
+}
+
+// baselineHas reports whether the baseline has a figure for m in any job.
+func baselineHas(r report, m measure) bool {
+	for _, j := range r.Jobs {
+		if m.val(j.Servers[r.Baseline]) > 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// chart draws one panel of grouped bars for IOPS and one for each of
+// cpuMeasures, every bar normalised to the baseline (the dashed line at
+// 1.0).
 func chart(r report) string {
 	const (
 		w, panelH, top, left, gap = 900, 260, 40, 60, 24
@@ -179,42 +235,37 @@ func chart(r report) string {
 	colors := []string{"#2b6cb0", "#dd6b20", "#718096", "#38a169"}
 	groupW := (w - left - 30) / max(1, len(r.Jobs))
 	barW := (groupW - gap) / max(1, len(r.Servers))
+	type panel struct {
+		measure
+		better string
+	}
+	panels := []panel{{iopsMeasure, "higher"}}
+	for _, m := range cpuMeasures(r) {
+		panels = append(panels, panel{m, "lower"})
+	}
 	var b strings.Builder
-	h := 2*panelH + 3*top + 40
+	h := len(panels)*(panelH+top+20) + 40
 	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="11">`+"\n", w, h)
 	b.WriteString(`<rect width="100%" height="100%" fill="white"/>` + "\n")
-	panels := []struct {
-		title string
-		val   func(cell) float64
-	}{
-		{"IOPS relative to " + r.Baseline + " (higher is better)", func(c cell) float64 { return c.IOPS }},
-		{"Server CPU per I/O relative to " + r.Baseline + " (lower is better)", func(c cell) float64 { return c.CPUusPerIO }},
-	}
 	for p, panel := range panels {
 		y0 := top + p*(panelH+top+20)
 		maxV := 1.5
 		for _, j := range r.Jobs {
-			base := panel.val(j.Servers[r.Baseline])
 			for _, s := range r.Servers {
-				if base > 0 {
-					maxV = max(maxV, panel.val(j.Servers[s])/base*1.1)
-				}
+				maxV = max(maxV, panel.ratio(j.Servers[s], j.Servers[r.Baseline])*1.1)
 			}
 		}
 		scale := float64(panelH) / maxV
-		fmt.Fprintf(&b, `<text x="%d" y="%d" font-size="13" font-weight="bold">%s</text>`+"\n", left, y0-10, panel.title)
+		fmt.Fprintf(&b, `<text x="%d" y="%d" font-size="13" font-weight="bold">%s relative to %s (%s is better)</text>`+"\n",
+			left, y0-10, panel.title, r.Baseline, panel.better)
 		fmt.Fprintf(&b, `<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="black"/>`+"\n", left, y0+panelH, w-20, y0+panelH)
 		oneY := float64(y0+panelH) - scale
 		fmt.Fprintf(&b, `<line x1="%d" y1="%.1f" x2="%d" y2="%.1f" stroke="#444" stroke-dasharray="4 3"/>`+"\n", left, oneY, w-20, oneY)
 		fmt.Fprintf(&b, `<text x="%d" y="%.1f" text-anchor="end">1.0×</text>`+"\n", left-5, oneY+4)
 		for i, j := range r.Jobs {
 			x := left + 10 + i*groupW
-			base := panel.val(j.Servers[r.Baseline])
 			for k, s := range r.Servers {
-				v := 0.0
-				if base > 0 {
-					v = panel.val(j.Servers[s]) / base
-				}
+				v := panel.ratio(j.Servers[s], j.Servers[r.Baseline])
 				bh := v * scale
 				fmt.Fprintf(&b, `<rect x="%d" y="%.1f" width="%d" height="%.1f" fill="%s"><title>%s %s: %.2f×</title></rect>`+"\n",
 					x+k*barW, float64(y0+panelH)-bh, barW-2, bh, colors[k%len(colors)], s, j.Job, v)
