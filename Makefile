@@ -7,7 +7,7 @@ GO      ?= go
 BIN     := bin/rbd-nbd-go
 GOFILES := $(shell find . -name '*.go' -not -path './bin/*')
 
-.PHONY: all deps build test unit interop lint fuzz bench bench-vm e2e e2e-csi run clean
+.PHONY: all deps build test unit interop lint fuzz bench bench-vm e2e e2e-csi e2e-k8s run clean
 
 all: build
 
@@ -39,6 +39,7 @@ e2e: deps build
 	scripts/vm/vm.sh --timeout 2400 -- e2e/scenarios.sh a b d e f g h i j
 	scripts/vm/vm.sh --smp 4 --timeout 900 -- e2e/scenarios.sh c
 	$(MAKE) --no-print-directory e2e-csi
+	$(MAKE) --no-print-directory e2e-k8s
 
 # The CSI driver on real /dev/nbd in the VM: upstream csi-sanity (whole
 # suite), a volume's life, Retain/static, online expand, restart
@@ -47,6 +48,15 @@ e2e: deps build
 e2e-csi: deps build bin/csi-conformance.test
 	mkdir -p bin/e2e-csi
 	E2E_OUT=$(CURDIR)/bin/e2e-csi scripts/vm/vm.sh --timeout 2700 --share $(CURDIR)/bin/e2e-csi -- e2e/csi.sh
+
+# The driver in a real single-node Kubernetes (v1.36.1, built from the
+# module proxy by e2e/k8s/build-tools.sh and cached outside the checkout)
+# inside the VM, deployed from deploy/kubernetes: provisioning, Retain,
+# raw block, online expansion, node-plugin restart under I/O, bad input.
+e2e-k8s: deps build
+	e2e/k8s/images.sh bin/k8s-images
+	mkdir -p bin/e2e-k8s
+	E2E_OUT=$(CURDIR)/bin/e2e-k8s scripts/vm/vm.sh --mem 6G --timeout 2400 --share $(CURDIR)/bin/e2e-k8s -- e2e/k8s.sh $(CURDIR)/bin/k8s-images
 
 bin/csi-conformance.test: $(GOFILES) go.mod go.sum
 	$(GO) test -c -o $@ ./csi/conformance

@@ -19,6 +19,8 @@ pkgs=(
   e2fsprogs xfsprogs util-linux  # mkfs, blockdev, fsfreeze in the VM scenarios
   rbd-nbd                        # Ceph's own rbd-nbd: the VM bench's peer
   ca-certificates
+  etcd-server containerd runc containernetworking-plugins # e2e-k8s: a cluster in the VM
+  openssl                        # e2e-k8s: the cluster's certificates
 )
 missing=()
 for p in "${pkgs[@]}"; do

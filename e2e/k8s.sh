@@ -1,0 +1,357 @@
+#!/bin/bash
+# The driver in a real single-node Kubernetes, inside the VM: the cluster
+# of e2e/k8s/cluster.sh, the driver deployed from deploy/kubernetes (only
+# the ConfigMap's monitors and the Secret's key are this cluster's), the
+# example StorageClasses, and app pods using busybox and fio.
+#
+#   e2e/k8s.sh IMAGES_DIR [a b c d e f g]     (default: all)
+#
+# a  dynamic provisioning, ext4 and xfs: Pending -> Bound, write, new pod
+#    reads back, PVC deleted -> PV and image gone
+# b  Retain: PV Released, image kept, a static PV binds a new PVC, data there
+# c  raw block: the device's size, fio verify
+# d  online expansion while a pod writes: fs and PVC capacity follow
+# e  snapshots and clones: skipped until the driver offers them
+# f  restart under I/O: node plugin pod deleted, then its processes
+#    killed, while fio verifies: zero errors, fs still read-write
+# g  bad input: unknown clusterID, wrong key (provisioning and staging):
+#    a clear event, nothing left behind
+. "$(dirname "$0")/lib.sh"
+. "$(dirname "$0")/k8s/cluster.sh"
+
+images=$1; shift
+NS=rbd-nbd-go
+DRIVER=rbd-nbd-go.csi.io
+APP=localhost/e2e-app:dev
+
+# --- helpers
+jp() { # jp KIND [NAMESPACE/]NAME JSONPATH
+	local ns=default n=$2
+	[[ $n == */* ]] && ns=${n%%/*} n=${n#*/}
+	kubectl -n "$ns" get "$1" "$n" -o jsonpath="$3" 2>/dev/null
+}
+wait_jp() { # wait_jp SECONDS KIND NAME JSONPATH REGEX: until the field matches
+	local limit=$1 kind=$2 name=$3 path=$4 want=$5 i v
+	for ((i = 0; i < limit; i++)); do
+		v=$(jp "$kind" "$name" "$path")
+		[[ $v =~ $want ]] && return 0
+		sleep 1
+	done
+	echo "$kind/$name $path = '$v', want /$want/" >"$work/why"
+	return 1
+}
+gone() { # gone SECONDS KIND NAME
+	local i
+	for ((i = 0; i < $1; i++)); do
+		kubectl get "$2" "$3" >/dev/null 2>&1 || return 0
+		sleep 1
+	done
+	echo "$2/$3 still there after $1 s" >"$work/why"
+	return 1
+}
+image_exists() { rbd ls rbd 2>/dev/null | grep -qx "$1"; }
+pv_image() { jp pv "$1" '{.spec.csi.volumeHandle}' | awk -F/ '{print $NF}'; } # nbd1/CLUSTER/POOL/NS/IMAGE
+pvc() { # pvc NAME SIZE CLASS [Block]
+	kubectl apply -f - >/dev/null <<EOF
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {name: $1}
+spec:
+  accessModes: [ReadWriteOnce]
+  ${4:+volumeMode: $4}
+  storageClassName: "$3"
+  resources: {requests: {storage: $2}}
+EOF
+}
+pod() { # pod NAME PVC SCRIPT [block]: one container running SCRIPT with the volume at /data (or /dev/xvda)
+	local vol="volumeMounts: [{name: v, mountPath: /data}]"
+	[ "${4:-}" = block ] && vol="volumeDevices: [{name: v, devicePath: /dev/xvda}]"
+	kubectl apply -f - >/dev/null <<EOF
+apiVersion: v1
+kind: Pod
+metadata: {name: $1}
+spec:
+  hostNetwork: true
+  restartPolicy: Never
+  terminationGracePeriodSeconds: 5
+  containers:
+    - name: app
+      image: $APP
+      imagePullPolicy: Never
+      command: [sh, -c, $(printf '%s' "$3" | python3 -c 'import json,sys; print(json.dumps(sys.stdin.read()))')]
+      $vol
+  volumes: [{name: v, persistentVolumeClaim: {claimName: $2}}]
+EOF
+}
+pod_done() { # pod_done SECONDS NAME: the pod ran to Succeeded; its termination message into $work/msg
+	local st
+	wait_jp "$1" pod "$2" '{.status.phase}' '^(Succeeded|Failed)$' || { pod_events "$2"; return 1; }
+	jp pod "$2" '{.status.containerStatuses[0].state.terminated.message}' >"$work/msg"
+	st=$(jp pod "$2" '{.status.phase}')
+	[ "$st" = Succeeded ] || { echo "pod $2 $st: $(tail -c 300 "$work/msg")" >"$work/why"; return 1; }
+}
+pod_events() { kubectl get events --field-selector involvedObject.name="$1" -o custom-columns=R:.reason,M:.message --no-headers 2>/dev/null | tail -5; }
+has_event() { # has_event SECONDS NAME REASON REGEX: an event on object NAME
+	local i
+	for ((i = 0; i < $1; i++)); do
+		kubectl get events --field-selector involvedObject.name="$2",reason="$3" -o jsonpath='{range .items[*]}{.message}{"\n"}{end}' 2>/dev/null >"$work/ev"
+		grep -qE "$4" "$work/ev" && { log "    event $3: $(grep -E "$4" "$work/ev" | head -1 | cut -c1-200)"; return 0; }
+		sleep 1
+	done
+	{ echo "no $3 event matching /$4/ on $2; events:"; pod_events "$2"; } >"$work/why"
+	return 1
+}
+secs_between() { echo $(($(date -d "$2" +%s) - $(date -d "$1" +%s))); } # two RFC 3339 times
+no_nbd_in_use() { for p in /sys/block/nbd*/pid; do [ -e "$p" ] && { echo "$p still served" >"$work/why"; return 1; }; done; return 0; }
+node_pod() { kubectl -n $NS get pod -l app=rbd-nbd-go-node -o jsonpath='{.items[0].metadata.name}'; }
+
+deploy() {
+	cluster || return
+	local keys t0
+	k8s_up "$images"/*.tar || { fail_check "the Kubernetes cluster did not come up"; return 1; }
+	# deploy/kubernetes as it is, but for this cluster's monitors: one
+	# patch of the ConfigMap, as a user would write it.
+	mkdir -p "$work/overlay"
+	cat >"$work/overlay/kustomization.yaml" <<EOF
+resources: [$(realpath --relative-to="$work/overlay" "$root/deploy/kubernetes")]
+patches:
+  - patch: |-
+      apiVersion: v1
+      kind: ConfigMap
+      metadata: {name: ceph-csi-config, namespace: $NS}
+      data:
+        config.json: '[{"clusterID": "ceph", "monitors": ["$mon"]}]'
+EOF
+	kubectl kustomize "$work/overlay" >"$work/deployed.yaml"
+	kubectl kustomize "$root/deploy/kubernetes" >"$work/repo.yaml"
+	check "what is deployed is deploy/kubernetes, but for the ConfigMap" python3 - "$work/repo.yaml" "$work/deployed.yaml" <<'PY'
+import sys
+a, b = ([d for d in open(f).read().split("\n---\n") if "kind: ConfigMap" not in d] for f in sys.argv[1:])
+sys.exit(a != b or len(a) < 6)
+PY
+	check "kubectl apply -k" eval "kubectl apply -f $work/deployed.yaml >$work/apply.out"
+	# The examples, unchanged but for the Secret's values (no key in argv).
+	printf admin >"$work/userID"
+	check "the Secret, ceph-csi's key names" eval 'kubectl -n $NS create secret generic csi-rbd-secret \
+		--from-file=userID="$work/userID" --from-file=userKey="$work/admin.key" >/dev/null'
+	check "the example StorageClasses" eval 'kubectl apply -f "$root/deploy/kubernetes/examples/storageclass-ext4.yaml" \
+		-f "$root/deploy/kubernetes/examples/storageclass-xfs.yaml" -f "$root/deploy/kubernetes/examples/storageclass-block.yaml" >/dev/null'
+	t0=$(date +%s)
+	check "the controller Deployment is available" eval "kubectl -n $NS rollout status deploy/rbd-nbd-go-controller --timeout=300s >/dev/null"
+	check "the node DaemonSet is ready" eval "kubectl -n $NS rollout status ds/rbd-nbd-go-node --timeout=300s >/dev/null"
+	check "the kubelet registered the driver (CSINode)" wait_jp 120 csinode $NODE '{.spec.drivers[*].name}' "$DRIVER"
+	log "  driver ready $(($(date +%s) - t0)) s after apply"
+}
+
+# --- a: dynamic provisioning, ext4 and xfs
+scenario_a() {
+	local fs c pv img created started
+	for fs in ext4 xfs; do
+		c=a-$fs
+		# Every phase the PVC goes through, from before it exists.
+		kubectl get pvc --field-selector metadata.name=$c -w --no-headers -o custom-columns=P:.status.phase >"$work/phases" 2>/dev/null &
+		local watcher=$!
+		sleep 2
+		pvc $c 512Mi rbd-nbd-go-$fs
+		check "$fs: PVC Bound" wait_jp 300 pvc $c '{.status.phase}' '^Bound$'
+		sleep 1; kill $watcher 2>/dev/null; wait $watcher 2>/dev/null
+		check "$fs: ... after Pending (phases: $(uniq "$work/phases" | tr '\n' ' '))" eval "uniq $work/phases | tr '\n' ' ' | grep -q '^Pending Bound'"
+		check "$fs: ... provisioned by the external provisioner" has_event 30 $c ProvisioningSucceeded "$DRIVER|provisioned"
+		pv=$(jp pvc $c '{.spec.volumeName}')
+		img=$(pv_image "$pv")
+		check "$fs: PV Bound, its image exists" eval "wait_jp 30 pv $pv '{.status.phase}' '^Bound$' && image_exists $img"
+		pod $c-w $c 'dd if=/dev/urandom of=/data/blob bs=1M count=16 2>/dev/null && md5sum /data/blob >/data/blob.md5 && sync && grep " /data " /proc/mounts >/dev/termination-log'
+		check "$fs: a pod writes 16 MiB" pod_done 300 $c-w
+		check "$fs: the pod's /data is $fs, read-write" grep -q " $fs rw" "$work/msg"
+		created=$(jp pvc $c '{.metadata.creationTimestamp}')
+		started=$(jp pod $c-w '{.status.containerStatuses[0].state.terminated.startedAt}')
+		log "    PVC creation to the pod's container running: $(secs_between "$created" "$started") s"
+		kubectl delete pod $c-w --wait=true >/dev/null
+		pod $c-r $c 'md5sum -c /data/blob.md5 >/dev/termination-log'
+		check "$fs: a new pod reads the data back" pod_done 300 $c-r
+		kubectl delete pod $c-r --wait=true >/dev/null
+		kubectl delete pvc $c --wait=false >/dev/null
+		check "$fs: PVC deleted -> PV gone" gone 300 pv "$pv"
+		check "$fs: ... and the image gone" eval "! image_exists $img"
+		check "$fs: ... and the VolumeAttachment" eval "! kubectl get volumeattachment | grep -q $pv"
+	done
+	check "no nbd device left in use" no_nbd_in_use
+}
+
+# --- b: Retain, then the same image as a static PV
+scenario_b() {
+	local pv img attrs handle
+	pvc b 512Mi rbd-nbd-go-ext4
+	check "PVC Bound" wait_jp 300 pvc b '{.status.phase}' '^Bound$'
+	pv=$(jp pvc b '{.spec.volumeName}')
+	img=$(pv_image "$pv")
+	check "reclaim policy set to Retain" eval "kubectl patch pv $pv -p '{\"spec\":{\"persistentVolumeReclaimPolicy\":\"Retain\"}}' >/dev/null"
+	pod b-w b 'echo retained >/data/r && md5sum /data/r >/data/r.md5 && sync'
+	check "a pod writes" pod_done 300 b-w
+	kubectl delete pod b-w --wait=true >/dev/null
+	kubectl delete pvc b --wait=true >/dev/null
+	check "PV Released" wait_jp 120 pv "$pv" '{.status.phase}' '^Released$'
+	check "the image is kept" image_exists "$img"
+	handle=$(jp pv "$pv" '{.spec.csi.volumeHandle}')
+	attrs=$(kubectl get pv "$pv" -o json | python3 -c 'import json,sys; print(json.dumps(json.load(sys.stdin)["spec"]["csi"]["volumeAttributes"]))')
+	kubectl delete pv "$pv" >/dev/null
+	check "the image outlives its PV" image_exists "$img"
+	kubectl apply -f - >/dev/null <<EOF
+apiVersion: v1
+kind: PersistentVolume
+metadata: {name: b-static}
+spec:
+  capacity: {storage: 512Mi}
+  accessModes: [ReadWriteOnce]
+  persistentVolumeReclaimPolicy: Retain
+  storageClassName: ""
+  claimRef: {namespace: default, name: b2}
+  csi:
+    driver: $DRIVER
+    volumeHandle: $handle
+    fsType: ext4
+    volumeAttributes: $attrs
+    nodeStageSecretRef: {name: csi-rbd-secret, namespace: $NS}
+EOF
+	pvc b2 512Mi ""
+	check "a static PV with the same handle binds a new PVC" wait_jp 120 pvc b2 '{.status.phase}' '^Bound$'
+	check "... to that PV" wait_jp 5 pvc b2 '{.spec.volumeName}' '^b-static$'
+	pod b-r b2 'md5sum -c /data/r.md5 >/dev/termination-log && grep -qx retained /data/r'
+	check "the data is there" pod_done 300 b-r
+	kubectl delete pod b-r --wait=true >/dev/null
+	kubectl delete pvc b2 --wait=true >/dev/null
+	kubectl delete pv b-static --wait=true >/dev/null
+	check "the admin removes the retained image" rbd rm rbd/"$img" --no-progress
+}
+
+# --- c: raw block
+scenario_c() {
+	pvc c 256Mi rbd-nbd-go-block Block
+	check "block PVC Bound" wait_jp 300 pvc c '{.status.phase}' '^Bound$'
+	pod c c 'echo size=$(blockdev --getsize64 /dev/xvda) >/dev/termination-log &&
+		fio --name=v --filename=/dev/xvda --size=32M --rw=randwrite --bs=4k --iodepth=16 --ioengine=libaio --direct=1 \
+			--verify=crc32c --verify_fatal=1 --do_verify=1 --output-format=terse --terse-version=3 >/tmp/fio &&
+		awk -F";" "/^3;/ {print \"fio_error=\" \$5}" /tmp/fio >>/dev/termination-log' block
+	check "the pod gets the device; fio verify passes" pod_done 400 c
+	check "the device is 256 MiB" grep -q '^size=268435456$' "$work/msg"
+	check "fio reported no error" grep -q '^fio_error=0$' "$work/msg"
+	kubectl delete pod c --wait=true >/dev/null
+	kubectl delete pvc c --wait=true >/dev/null
+}
+
+# --- d: online expansion under writes
+scenario_d() {
+	pvc d 512Mi rbd-nbd-go-ext4
+	check "PVC Bound" wait_jp 300 pvc d '{.status.phase}' '^Bound$'
+	pod d d 'fio --name=w --filename=/data/f --size=64M --rw=randwrite --bs=4k --iodepth=16 --ioengine=libaio --direct=1 \
+			--verify=crc32c --verify_fatal=1 --verify_backlog=1024 --time_based --runtime=100 --output=/tmp/fio & f=$!
+		before=$(df -k /data | awk "NR==2 {print \$2}"); s=$before; i=0
+		while [ $i -lt 600 ] && [ $s -lt 900000 ]; do sleep 1; s=$(df -k /data | awk "NR==2 {print \$2}"); i=$((i + 1)); done
+		kill -0 $f && during=yes || during=no
+		wait $f; rc=$?
+		echo "before_kb=$before after_kb=$s grown_while_writing=$during fio=$rc" >/dev/termination-log
+		[ $s -ge 900000 ] && [ $during = yes ] && [ $rc -eq 0 ]'
+	check "the writer pod runs" wait_jp 300 pod d '{.status.phase}' '^Running$'
+	check "a VolumeAttachment for the node, attached" eval "kubectl get volumeattachment -o jsonpath='{range .items[*]}{.spec.nodeName} {.status.attached}{\"\\n\"}{end}' | grep -qx '$NODE true'"
+	sleep 5
+	local t0=$(date +%s)
+	check "the PVC is grown to 1Gi" eval "kubectl patch pvc d -p '{\"spec\":{\"resources\":{\"requests\":{\"storage\":\"1Gi\"}}}}' >/dev/null"
+	check "the PVC's status capacity follows" wait_jp 600 pvc d '{.status.capacity.storage}' '^1Gi$'
+	log "    PVC status capacity 1Gi $(($(date +%s) - t0)) s after the patch"
+	check "the filesystem in the pod grew, fio verify clean" pod_done 600 d
+	log "    app: $(cat "$work/msg")"
+	check "the PV says 1Gi" wait_jp 5 pv "$(jp pvc d '{.spec.volumeName}')" '{.spec.capacity.storage}' '^1Gi$'
+	kubectl delete pod d --wait=true >/dev/null
+	kubectl delete pvc d --wait=true >/dev/null
+}
+
+# --- e: snapshots and clones
+scenario_e() {
+	log "  SKIP: the driver does not take snapshots or clones yet (no CREATE_DELETE_SNAPSHOT, no CLONE_VOLUME),"
+	log "        so deploy/kubernetes runs no csi-snapshotter and the VolumeSnapshotClass example is inert."
+}
+
+# --- f: the node plugin restarted under I/O
+scenario_f() {
+	local np np2 pids i
+	pvc f 512Mi rbd-nbd-go-ext4
+	check "PVC Bound" wait_jp 300 pvc f '{.status.phase}' '^Bound$'
+	# fio verify (libaio QD16) plus a 4k write+fdatasync loop; the
+	# longest single I/O latency of either is the app's stall.
+	pod f f 'fio --output-format=json --output=/tmp/fio.json \
+			--name=verify --filename=/data/v --size=64M --rw=randwrite --bs=4k --iodepth=16 --ioengine=libaio --direct=1 \
+				--verify=crc32c --verify_fatal=1 --verify_backlog=1024 --time_based --runtime=180 \
+			--name=sync --filename=/data/s --size=4M --rw=write --bs=4k --ioengine=psync --fdatasync=1 --time_based --runtime=180
+		rc=$?
+		stall=$(awk "/\"lat_ns\"/ {l=1} l && /\"max\"/ {gsub(/[^0-9]/, \"\", \$3); if (\$3 + 0 > m) m = \$3 + 0; l=0} END {printf \"%d\", m / 1000000}" /tmp/fio.json)
+		errs=$(grep -o "\"error\" : [0-9]*" /tmp/fio.json | grep -vc ": 0$")
+		ro=$(awk "\$2 == \"/data\" {print \$4}" /proc/mounts | cut -d, -f1)
+		touch /data/after || ro=unwritable
+		echo "fio=$rc errors=$errs stall_ms=$stall mount=$ro" >/dev/termination-log
+		[ $rc -eq 0 ] && [ $errs -eq 0 ] && [ $ro = rw ]'
+	check "the app pod runs" wait_jp 300 pod f '{.status.phase}' '^Running$'
+	sleep 20
+	np=$(node_pod)
+	check "delete the node plugin's pod ($np)" kubectl -n $NS delete pod "$np" --wait=true --timeout=120s
+	check "the DaemonSet brings it back, Ready" eval "kubectl -n $NS rollout status ds/rbd-nbd-go-node --timeout=300s >/dev/null && wait_jp 120 pod \"$NS/\$(node_pod)\" '{.status.containerStatuses[?(@.name==\"rbd-nbd-go\")].ready}' '^true$'"
+	np2=$(node_pod)
+	log "    new node pod $np2"
+	sleep 15
+	pids=$(pgrep -f 'rbd-nbd-go (csi --nodeserver|daemon)' | tr '\n' ' ')
+	check "kill -9 its processes (plugin and daemon: $pids)" eval "[ -n '$pids' ] && kill -9 $pids"
+	check "the kubelet restarts the container, Ready" wait_jp 300 pod "$NS/$np2" \
+		'{.status.containerStatuses[?(@.name=="rbd-nbd-go")].restartCount}/{.status.containerStatuses[?(@.name=="rbd-nbd-go")].ready}' '^[1-9][0-9]*/true$'
+	check "the app finishes: zero I/O errors, fs read-write" pod_done 400 f
+	log "    app: $(cat "$work/msg")"
+	kubectl delete pod f --wait=true >/dev/null
+	kubectl delete pvc f --wait=true >/dev/null
+}
+
+# --- g: bad input, where a user looks
+scenario_g() {
+	local i
+	sed -e 's/name: rbd-nbd-go-ext4/name: g-nocluster/' -e 's/clusterID: ceph/clusterID: no-such-cluster/' \
+		"$root/deploy/kubernetes/examples/storageclass-ext4.yaml" | kubectl apply -f - >/dev/null
+	pvc g1 128Mi g-nocluster
+	check "unknown clusterID: a ProvisioningFailed event naming it" has_event 120 g1 ProvisioningFailed 'no-such-cluster'
+	check "... and the PVC stays Pending" wait_jp 5 pvc g1 '{.status.phase}' '^Pending$'
+	# A well-formed key that is not the user's.
+	python3 -c 'import base64,os,struct,time; print(base64.b64encode(struct.pack("<hiih", 1, int(time.time()), 0, 16) + os.urandom(16)).decode(), end="")' >"$work/badkey"
+	kubectl -n $NS create secret generic g-bad-secret --from-file=userID="$work/userID" --from-file=userKey="$work/badkey" >/dev/null
+	sed -e 's/name: rbd-nbd-go-ext4/name: g-badkey/' -e 's/provisioner-secret-name: csi-rbd-secret/provisioner-secret-name: g-bad-secret/' \
+		"$root/deploy/kubernetes/examples/storageclass-ext4.yaml" | kubectl apply -f - >/dev/null
+	pvc g2 128Mi g-badkey
+	check "wrong key, provisioning: a ProvisioningFailed event saying so" has_event 180 g2 ProvisioningFailed 'ermission|uthenticat|denied'
+	sed -e 's/name: rbd-nbd-go-ext4/name: g-badstage/' -e 's/node-stage-secret-name: csi-rbd-secret/node-stage-secret-name: g-bad-secret/' \
+		"$root/deploy/kubernetes/examples/storageclass-ext4.yaml" | kubectl apply -f - >/dev/null
+	pvc g3 128Mi g-badstage
+	check "wrong key, staging: the PVC still binds" wait_jp 300 pvc g3 '{.status.phase}' '^Bound$'
+	pod g3 g3 'true'
+	check "... the pod gets a FailedMount event saying so" has_event 300 g3 FailedMount 'ermission|uthenticat|denied'
+	check "... and stays Pending" wait_jp 5 pod g3 '{.status.phase}' '^Pending$'
+	check "... with no device mapped" no_nbd_in_use
+	kubectl delete pod g3 --wait=true --timeout=120s >/dev/null
+	kubectl delete pvc g1 g2 g3 --wait=true --timeout=120s >/dev/null
+	kubectl delete sc g-nocluster g-badkey g-badstage >/dev/null
+	check "nothing left: no PV (the provisioner deletes it)" eval "k8s_wait 120 'no PV' eval '[ -z \"\$(kubectl get pv -o name)\" ]' || { kubectl get pv >$work/why; false; }"
+	check "... no image" eval "[ -z \"\$(rbd ls rbd)\" ] || { rbd ls rbd >$work/why; false; }"
+	check "... no staging record" eval "[ -z \"\$(ls /run/rbd-nbd-go/csi/volumes 2>/dev/null)\" ]"
+	check "... no nbd device in use" no_nbd_in_use
+}
+
+[ $# -gt 0 ] || set -- a b c d e f g
+current=deploy scenario_failed=0
+run_scenario deploy deploy
+if [ $fails -eq 0 ]; then
+	for s in "$@"; do run_scenario "$s" "scenario_$s"; done
+fi
+if [ $fails -ne 0 ]; then
+	kubectl get pods -A -o wide 2>&1 | tail -20
+	kubectl -n $NS logs deploy/rbd-nbd-go-controller -c rbd-nbd-go --tail=30 2>&1
+	tail -30 /run/rbd-nbd-go/daemon.log 2>/dev/null
+fi
+k8s_down
+[ $cluster_up -eq 1 ] && scripts/ceph-dev-cluster stop "$work/ceph" >/dev/null 2>&1
+for r in "${recap[@]}"; do log "failed check: $r"; done
+log "done: $fails failed ${failed[*]:-}"
+exit $fails

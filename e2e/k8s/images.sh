@@ -1,0 +1,24 @@
+#!/bin/bash
+# The images e2e-k8s imports into the VM's containerd, as docker-archive
+# tarballs in OUTDIR: the driver (deploy/image/build-local.sh, from
+# bin/rbd-nbd-go), the CSI sidecars under their upstream names and the
+# versions pinned in e2e/k8s/tools/go.mod (built from the same sources),
+# a pause image, and the test pods' image (busybox and fio).
+#
+#   e2e/k8s/images.sh OUTDIR
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+out=$1
+mkdir -p "$out"
+tools=$(e2e/k8s/build-tools.sh)
+b=deploy/image/build-local.sh
+ver() { awk -v m="$1" '$1 == m {print $2}' e2e/k8s/tools/go.mod; }
+$b driver bin/rbd-nbd-go localhost/rbd-nbd-go:dev "$out/rbd-nbd-go.tar"
+for s in provisioner:external-provisioner/v6 attacher:external-attacher/v4 resizer:external-resizer/v2; do
+	name=csi-${s%%:*}
+	v=$(ver "github.com/kubernetes-csi/${s#*:}")
+	[ -n "$v" ] || { echo "images: no version for $name in e2e/k8s/tools/go.mod" >&2; exit 1; }
+	$b static "$tools/bin/$name" "/$name" "registry.k8s.io/sig-storage/$name:$v" "$out/$name.tar"
+done
+$b static /bin/busybox "/bin/busybox sleep 2147483647" localhost/pause:local "$out/pause.tar"
+$b tools fio localhost/e2e-app:dev "$out/e2e-app.tar"
