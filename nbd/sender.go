@@ -76,14 +76,21 @@ func (s *sendState) sendmsg(dontWait bool) error {
 
 // complete is called by backends (via Request.Complete) from any
 // goroutine, and by the reader for requests it answers itself.
+//
+// Whether the completion is inline is read under c.mu, after r is in
+// c.done: the reader clears inSubmit before its kick takes c.mu, so
+// either we see it cleared and wake the writer, or its kick comes after
+// us and finds r. Read before the lock, a completion from another
+// goroutine could see the flag still set, miss the reader's kick, and
+// leave its reply unsent until the next request arrived (forever, for a
+// client's last FLUSH).
 func (c *conn) complete(r *Request) {
-	inline := r.inSubmit.Load()
 	c.mu.Lock()
 	c.done = append(c.done, r)
 	if r.cmd == cmdRead {
 		c.deferred += len(r.Data)
 	}
-	if !inline || c.deferred >= maxDeferred {
+	if !r.inSubmit.Load() || c.deferred >= maxDeferred {
 		c.wantSend()
 	}
 	c.mu.Unlock()
