@@ -12,6 +12,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // ErrServerClosed is returned by Serve and ServeConn after Shutdown.
@@ -78,6 +80,10 @@ type Config struct {
 	// DefaultSendBuffer; negative keeps the system's). TCP is left to
 	// the kernel's autotuning.
 	SendBuffer int
+	// IdleAfter is how long a connection may wait for a request before
+	// its reader gives its OS thread back (default DefaultIdleAfter;
+	// negative never: one thread per connection, always).
+	IdleAfter time.Duration
 }
 
 // Server speaks NBD on any number of listeners and connections.
@@ -85,6 +91,7 @@ type Server struct {
 	cfg  Config
 	log  *slog.Logger
 	bufs bufPool
+	idle idleWatcher
 	// spliced counts READ payload bytes sent by reference (tests read it).
 	spliced atomic.Uint64
 
@@ -110,6 +117,9 @@ func NewServer(cfg Config) *Server {
 	}
 	if cfg.SendBuffer == 0 {
 		cfg.SendBuffer = DefaultSendBuffer
+	}
+	if cfg.IdleAfter == 0 {
+		cfg.IdleAfter = DefaultIdleAfter
 	}
 	if cfg.HandshakeTimeout <= 0 {
 		cfg.HandshakeTimeout = 30 * time.Second
@@ -250,6 +260,12 @@ func (s *Server) transmit(w *wire, br *bufio.Reader, sess *session) error {
 	s.mu.Unlock()
 	if w.unix && s.cfg.SendBuffer > 0 {
 		SetSendBuffer(w.fd, s.cfg.SendBuffer)
+	}
+	if w.fd >= 0 && s.cfg.IdleAfter > 0 {
+		tv := unix.NsecToTimeval(s.cfg.IdleAfter.Nanoseconds())
+		if unix.SetsockoptTimeval(w.fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv) == nil {
+			r = w.idleReader(r, &s.idle)
+		}
 	}
 	c := newConn(s, w, bufio.NewReaderSize(r, 64<<10), sess)
 	s.log.Debug("nbd connection", "remote", remote(nc), "export", sess.exp.Name,

@@ -70,9 +70,20 @@ func (w *wire) detach(br *bufio.Reader) io.Reader {
 		r = w.f
 	}
 	if len(rest) > 0 {
-		r = io.MultiReader(bytes.NewReader(rest), r)
+		r = &multiReader{rest: bytes.NewReader(rest), r: r}
 	}
 	return r
+}
+
+// idleReader swaps the detached socket under r (which may be behind
+// the handshake's leftover bytes) for one that parks in iw when a read
+// times out. The socket's SO_RCVTIMEO must be set.
+func (w *wire) idleReader(r io.Reader, iw *idleWatcher) io.Reader {
+	fr := &fdReader{fd: w.fd, idle: iw}
+	if mr, ok := r.(*multiReader); ok {
+		return &multiReader{rest: mr.rest, r: fr}
+	}
+	return fr
 }
 
 // stopReading makes a blocked or future read return EOF while replies can
@@ -122,4 +133,18 @@ func SetSendBuffer(fd, n int) error {
 		return nil
 	}
 	return unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_SNDBUF, n)
+}
+
+// multiReader is io.MultiReader for the handshake's leftover bytes in
+// front of the socket, kept as a type so idleReader can swap the socket.
+type multiReader struct {
+	rest *bytes.Reader
+	r    io.Reader
+}
+
+func (m *multiReader) Read(p []byte) (int, error) {
+	if m.rest.Len() > 0 {
+		return m.rest.Read(p)
+	}
+	return m.r.Read(p)
 }

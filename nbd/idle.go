@@ -1,0 +1,162 @@
+package nbd
+
+import (
+	"errors"
+	"io"
+	"os"
+	"runtime"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// DefaultIdleAfter is how long a connection's reader waits in read(2)
+// before it gives its thread back (see idleWatcher).
+const DefaultIdleAfter = 500 * time.Millisecond
+
+// An idleWatcher parks the readers of idle connections: one goroutine in
+// epoll_wait for all of them, so an idle connection costs no OS thread.
+//
+// Busy connections keep reading in blocking read(2) on a descriptor
+// outside Go's netpoller (see wire), which is what makes the reader
+// cheap at 100k requests/s. That costs a thread per connection for as
+// long as it blocks: with thousands of connections on a node (devices ×
+// connections) the daemon's threads and their stacks would grow with
+// them. So the socket gets SO_RCVTIMEO: a read that waits longer than
+// IdleAfter returns EAGAIN, the reader registers the socket here (one
+// shot, level-triggered: data that came meanwhile wakes it at once) and
+// parks on a channel, and its thread is ended. The first byte that
+// arrives wakes the reader, which goes back to blocking reads. A busy
+// connection never reaches the timeout and pays nothing for this.
+type idleWatcher struct {
+	mu      sync.Mutex
+	epfd    int // valid while running
+	running bool
+	next    uint64
+	waiters map[uint64]idleWaiter
+}
+
+type idleWaiter struct {
+	fd int
+	ch chan struct{}
+}
+
+// wait returns once fd is readable (or hung up, or shut down: the read
+// that follows tells which).
+func (iw *idleWatcher) wait(fd int) error {
+	ch := make(chan struct{})
+	iw.mu.Lock()
+	if !iw.running {
+		epfd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+		if err != nil {
+			iw.mu.Unlock()
+			return os.NewSyscallError("epoll_create1", err)
+		}
+		iw.epfd, iw.running = epfd, true
+		if iw.waiters == nil {
+			iw.waiters = map[uint64]idleWaiter{}
+		}
+		go iw.loop(epfd)
+	}
+	id := iw.next
+	iw.next++
+	iw.waiters[id] = idleWaiter{fd, ch}
+	ev := unix.EpollEvent{Events: unix.EPOLLIN | unix.EPOLLRDHUP | unix.EPOLLONESHOT,
+		Fd: int32(id), Pad: int32(id >> 32)}
+	// Registered under the lock: the loop closes epfd only when no
+	// waiter is left, and ours is not gone until it fired.
+	err := unix.EpollCtl(iw.epfd, unix.EPOLL_CTL_ADD, fd, &ev)
+	if err != nil {
+		delete(iw.waiters, id)
+		iw.mu.Unlock()
+		return os.NewSyscallError("epoll_ctl", err)
+	}
+	iw.mu.Unlock()
+	releaseThread()
+	<-ch
+	return nil
+}
+
+// loop wakes the waiters whose sockets became readable, removing each
+// socket from the set before the waiter can go on (and later close it),
+// and ends, closing epfd, when nobody waits.
+func (iw *idleWatcher) loop(epfd int) {
+	events := make([]unix.EpollEvent, 64)
+	for {
+		n, err := unix.EpollWait(epfd, events, -1)
+		if err != nil && err != unix.EINTR {
+			// Cannot happen with a valid epfd; wake everyone, whose
+			// reads then block as before.
+			n = 0
+			iw.mu.Lock()
+			for id, w := range iw.waiters {
+				delete(iw.waiters, id)
+				close(w.ch)
+			}
+			iw.running = false
+			unix.Close(epfd)
+			iw.mu.Unlock()
+			return
+		}
+		iw.mu.Lock()
+		for _, ev := range events[:max(n, 0)] {
+			id := uint64(uint32(ev.Fd)) | uint64(uint32(ev.Pad))<<32
+			if w, ok := iw.waiters[id]; ok {
+				// Removed while its waiter is parked, so fd is still
+				// open: the waiter may register it again, or close it.
+				unix.EpollCtl(epfd, unix.EPOLL_CTL_DEL, w.fd, nil)
+				delete(iw.waiters, id)
+				close(w.ch)
+			}
+		}
+		if len(iw.waiters) == 0 {
+			iw.running = false
+			unix.Close(epfd) // removes every registration with it
+			iw.mu.Unlock()
+			return
+		}
+		iw.mu.Unlock()
+	}
+}
+
+// releaseThread ends the OS thread that ran the goroutine which just
+// parked: the goroutine started here runs next on it (runnext), locks
+// itself to the thread and exits, and the runtime ends a thread whose
+// locked goroutine exits. Without this the thread would only become one
+// of the runtime's idle threads, which it never ends: the daemon would
+// keep as many threads as connections ever blocked at once. A
+// connection that gets busy again is given a thread by the scheduler
+// when its read blocks, as before.
+func releaseThread() {
+	go runtime.LockOSThread()
+}
+
+// fdReader reads a detached socket whose SO_RCVTIMEO is set, parking in
+// the idle watcher instead of failing when a read times out.
+type fdReader struct {
+	fd   int
+	idle *idleWatcher
+}
+
+func (r *fdReader) Read(p []byte) (int, error) {
+	if len(p) == 0 {
+		return 0, nil
+	}
+	for {
+		n, err := unix.Read(r.fd, p)
+		switch {
+		case err == nil && n == 0:
+			return 0, io.EOF
+		case err == nil:
+			return n, nil
+		case errors.Is(err, unix.EINTR):
+		case errors.Is(err, unix.EAGAIN):
+			if werr := r.idle.wait(r.fd); werr != nil {
+				return 0, werr
+			}
+		default:
+			return 0, os.NewSyscallError("read", err)
+		}
+	}
+}

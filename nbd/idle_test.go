@@ -1,0 +1,109 @@
+package nbd
+
+import (
+	"bufio"
+	"context"
+	"os"
+	"testing"
+	"time"
+)
+
+func threads(t *testing.T) int {
+	t.Helper()
+	d, err := os.ReadDir("/proc/self/task")
+	if err != nil {
+		t.Skip("no /proc/self/task")
+	}
+	return len(d)
+}
+
+// idleConns serves n kernel-style connections (ServeNegotiated), has
+// each answer one request, lets them all idle past IdleAfter, and
+// returns the clients and the threads the process then has beyond
+// before.
+func idleConns(t *testing.T, idleAfter time.Duration, n int) (*Server, []*tclient, int) {
+	dev := newFlat(1 << 20)
+	s := NewServer(Config{IdleAfter: idleAfter})
+	s.AddExport(Export{Backend: Inline(dev)})
+	t.Cleanup(func() { s.Shutdown(context.Background()) })
+	before := threads(t)
+	cs := make([]*tclient, n)
+	for i := range cs {
+		a, b := socketpair(t)
+		go s.ServeNegotiated(a, "")
+		cs[i] = &tclient{t: t, c: b, br: bufio.NewReader(b)}
+		t.Cleanup(func() { b.Close() })
+		b.SetDeadline(time.Now().Add(30 * time.Second))
+		cs[i].send(cmdWrite, 0, 1, 0, 4096, pattern(4096, byte(i)))
+		if r := cs[i].recv(0); r.errno != 0 {
+			t.Fatalf("conn %d: write errno %d", i, r.errno)
+		}
+	}
+	// Every reader is now blocked in read(2), holding a thread, until
+	// IdleAfter passes; give the runtime time to end the threads.
+	time.Sleep(max(idleAfter, 0) + 300*time.Millisecond)
+	return s, cs, threads(t) - before
+}
+
+// TestIdleConnectionsGiveThreadsBack: 64 idle connections cost (nearly)
+// no threads with IdleAfter, and one thread each without it; either
+// way every connection still answers at once when it gets busy again.
+func TestIdleConnectionsGiveThreadsBack(t *testing.T) {
+	const n = 64
+	// The control first (its readers stay blocked throughout): readers
+	// that never time out keep a thread each.
+	_, _, kept := idleConns(t, -1, n)
+	t.Logf("IdleAfter off: %d connections idle, %d threads more than before", n, kept)
+	if kept < n/2 {
+		t.Fatalf("without IdleAfter %d connections held only %d threads: the test measures nothing", n, kept)
+	}
+	_, cs, extra := idleConns(t, 50*time.Millisecond, n)
+	t.Logf("IdleAfter 50ms: %d connections idle, %d threads more than before", n, extra)
+	if extra > n/4 {
+		t.Errorf("%d idle connections kept %d threads", n, extra)
+	}
+	for i, c := range cs {
+		c.send(cmdRead, 0, 2, 0, 4096, nil)
+		if r := c.recv(4096); r.errno != 0 {
+			t.Fatalf("conn %d after idling: errno %d", i, r.errno)
+		}
+	}
+}
+
+// TestShutdownWakesIdleReader: a parked reader is woken by Shutdown's
+// shutdown(2), like a blocked one.
+func TestShutdownWakesIdleReader(t *testing.T) {
+	s, _, _ := idleConns(t, 20*time.Millisecond, 4)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := s.Shutdown(ctx); err != nil {
+		t.Fatalf("Shutdown with idle readers: %v", err)
+	}
+}
+
+// TestIdleReaderKeepsPartialRequest: a request that arrives in pieces
+// with an idle pause in the middle of its payload is still read whole.
+func TestIdleReaderKeepsPartialRequest(t *testing.T) {
+	dev := newFlat(1 << 20)
+	s := NewServer(Config{IdleAfter: 20 * time.Millisecond})
+	s.AddExport(Export{Backend: Inline(dev)})
+	t.Cleanup(func() { s.Shutdown(context.Background()) })
+	a, b := socketpair(t)
+	go s.ServeNegotiated(a, "")
+	c := &tclient{t: t, c: b, br: bufio.NewReader(b)}
+	t.Cleanup(func() { b.Close() })
+	b.SetDeadline(time.Now().Add(30 * time.Second))
+	req := reqBytes(cmdWrite, 0, 7, 8192, 4096, pattern(4096, 9))
+	c.write(req[:10])
+	time.Sleep(100 * time.Millisecond)
+	c.write(req[10:2000])
+	time.Sleep(100 * time.Millisecond)
+	c.write(req[2000:])
+	if r := c.recv(0); r.cookie != 7 || r.errno != 0 {
+		t.Fatalf("reply %+v", r)
+	}
+	got, _, _ := dev.state()
+	if string(got[8192:8192+4096]) != string(pattern(4096, 9)) {
+		t.Fatal("payload written wrong after idle pauses")
+	}
+}
