@@ -7,7 +7,7 @@ GO      ?= go
 BIN     := bin/rbd-nbd-go
 GOFILES := $(shell find . -name '*.go' -not -path './bin/*')
 
-.PHONY: all deps build test unit interop lint fuzz bench bench-vm e2e e2e-csi e2e-k8s run clean
+.PHONY: all deps build test unit interop lint fuzz bench bench-vm bench-vm-scale e2e e2e-csi e2e-k8s run clean
 
 all: build
 
@@ -80,6 +80,15 @@ bench: deps build
 bench-vm: deps build
 	mkdir -p bench/results/vm
 	scripts/vm/vm.sh --timeout 3000 --share $(CURDIR)/bench/results/vm -- e2e/bench.sh $(CURDIR)/bench/results/vm
+	$(MAKE) --no-print-directory bench-vm-scale
+
+# Node scale inside the VM: 8 and 32 images mapped at once, rbd-nbd-go
+# with its default connections and with 16 vs one Ceph rbd-nbd per image:
+# Pss, Rss, threads, map/unmap times, memory after unmap (table + chart
+# in bench/results/vm-scale).
+bench-vm-scale: deps build
+	mkdir -p bench/results/vm-scale
+	scripts/vm/vm.sh --mem 6G --timeout 3000 --share $(CURDIR)/bench/results/vm-scale -- e2e/scale.sh $(CURDIR)/bench/results/vm-scale
 
 # Serve a file-backed export on a unix socket and show it working.
 run: deps build

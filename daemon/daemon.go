@@ -15,6 +15,7 @@ import (
 	"path/filepath"
 	"runtime/pprof"
 	"strconv"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -119,6 +120,12 @@ func Run(ctx context.Context, cfg Config) (err error) {
 			}
 		}()
 	}
+	// Memory back to the system a few seconds after devices go away.
+	go giveBack(ctx, 5*time.Second, func() int { return len(m.List()) }, func() {
+		t0 := time.Now()
+		releaseMemory(rbdio.ReleaseFreeMemory)
+		log.Debug("memory given back", "took", time.Since(t0))
+	})
 	log.Info("serving NBD devices", "pid", os.Getpid(), "kernel", ctl.Name(), "state", cfg.StateDir,
 		"devices", len(m.List()))
 	fmt.Fprintln(ready, control.ReadyOK)

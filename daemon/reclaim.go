@@ -1,7 +1,10 @@
 package daemon
 
 import (
+	"context"
 	"log/slog"
+	"runtime/debug"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -27,7 +30,51 @@ func protectFromReclaim(log *slog.Logger) {
 			log.Warn("PR_SET_IO_FLUSHER failed", "err", err)
 		}
 	}
-	if err := unix.Mlockall(unix.MCL_CURRENT | unix.MCL_FUTURE | unix.MCL_ONFAULT); err != nil {
+	if err := unix.Mlockall(lockFlags); err != nil {
 		log.Warn("mlockall failed", "err", err)
+	}
+}
+
+const lockFlags = unix.MCL_CURRENT | unix.MCL_FUTURE | unix.MCL_ONFAULT
+
+// releaseMemory gives the memory the daemon no longer uses back to the
+// system. Under mlockall it never could: the kernel refuses
+// MADV_DONTNEED on locked pages, which is how both Go's scavenger and
+// tcmalloc (librbd's heap) return memory, so the daemon kept its peak
+// for good. So: unlock, free (Go's heap, then tcmalloc's), lock again.
+// The pages the daemon still uses stay resident throughout (munlock
+// evicts nothing); for the few milliseconds in between they could only
+// be reclaimed under memory pressure, and run only when devices went
+// away, not on a busy I/O path.
+func releaseMemory(freeC func()) {
+	unix.Munlockall()
+	debug.FreeOSMemory()
+	if freeC != nil {
+		freeC()
+	}
+	unix.Mlockall(lockFlags)
+}
+
+// giveBack calls release once the number of devices has dropped and
+// then held still for one tick (an unmap burst is over), until ctx ends.
+func giveBack(ctx context.Context, tick time.Duration, devices func() int, release func()) {
+	t := time.NewTicker(tick)
+	defer t.Stop()
+	prev, shrunk := devices(), false
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		n := devices()
+		switch {
+		case n < prev:
+			shrunk = true
+		case shrunk && n == prev:
+			release()
+			shrunk = false
+		}
+		prev = n
 	}
 }

@@ -4,7 +4,6 @@ import (
 	"errors"
 	"io"
 	"os"
-	"runtime"
 	"sync"
 	"time"
 
@@ -26,9 +25,17 @@ const DefaultIdleAfter = 500 * time.Millisecond
 // them. So the socket gets SO_RCVTIMEO: a read that waits longer than
 // IdleAfter returns EAGAIN, the reader registers the socket here (one
 // shot, level-triggered: data that came meanwhile wakes it at once) and
-// parks on a channel, and its thread is ended. The first byte that
-// arrives wakes the reader, which goes back to blocking reads. A busy
-// connection never reaches the timeout and pays nothing for this.
+// parks on a channel, which frees its thread for other goroutines. The
+// first byte that arrives wakes the reader, which goes back to blocking
+// reads. A busy connection never reaches the timeout and pays nothing.
+//
+// BUG(nbd): the freed threads stay as the Go runtime's idle threads,
+// which it never ends, so the process keeps as many threads as readers
+// were ever blocked at once; what the watcher saves is that they are
+// not all needed again. Ending them (a goroutine that exits while
+// locked to its thread) was tried: once, in the VM, a daemon thread
+// was then seen without PF_MEMALLOC_NOIO, which the daemon's
+// no-reclaim-deadlock rule cannot allow until it is understood.
 type idleWatcher struct {
 	mu      sync.Mutex
 	epfd    int // valid while running
@@ -73,7 +80,6 @@ func (iw *idleWatcher) wait(fd int) error {
 		return os.NewSyscallError("epoll_ctl", err)
 	}
 	iw.mu.Unlock()
-	releaseThread()
 	<-ch
 	return nil
 }
@@ -118,18 +124,6 @@ func (iw *idleWatcher) loop(epfd int) {
 		}
 		iw.mu.Unlock()
 	}
-}
-
-// releaseThread ends the OS thread that ran the goroutine which just
-// parked: the goroutine started here runs next on it (runnext), locks
-// itself to the thread and exits, and the runtime ends a thread whose
-// locked goroutine exits. Without this the thread would only become one
-// of the runtime's idle threads, which it never ends: the daemon would
-// keep as many threads as connections ever blocked at once. A
-// connection that gets busy again is given a thread by the scheduler
-// when its read blocks, as before.
-func releaseThread() {
-	go runtime.LockOSThread()
 }
 
 // fdReader reads a detached socket whose SO_RCVTIMEO is set, parking in

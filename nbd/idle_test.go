@@ -4,17 +4,32 @@ import (
 	"bufio"
 	"context"
 	"os"
+	"runtime"
+	"strings"
 	"testing"
 	"time"
 )
 
+// threads counts this process's threads blocked in read(2) (syscall 0
+// on amd64, first field of /proc/self/task/*/syscall): the test's
+// clients use the netpoller, so these are the server's readers.
 func threads(t *testing.T) int {
 	t.Helper()
+	if runtime.GOARCH != "amd64" {
+		t.Skip("syscall numbers here are amd64's")
+	}
 	d, err := os.ReadDir("/proc/self/task")
 	if err != nil {
 		t.Skip("no /proc/self/task")
 	}
-	return len(d)
+	n := 0
+	for _, e := range d {
+		b, err := os.ReadFile("/proc/self/task/" + e.Name() + "/syscall")
+		if err == nil && strings.HasPrefix(string(b), "0 ") {
+			n++
+		}
+	}
+	return n
 }
 
 // idleConns serves n kernel-style connections (ServeNegotiated), has
@@ -45,22 +60,25 @@ func idleConns(t *testing.T, idleAfter time.Duration, n int) (*Server, []*tclien
 	return s, cs, threads(t) - before
 }
 
-// TestIdleConnectionsGiveThreadsBack: 64 idle connections cost (nearly)
-// no threads with IdleAfter, and one thread each without it; either
-// way every connection still answers at once when it gets busy again.
+// TestIdleConnectionsGiveThreadsBack: 64 idle connections hold no
+// threads with IdleAfter (their readers park in the watcher), and one
+// thread each without it; either way every connection still answers at
+// once when it gets busy again. Threads freed this way stay in the
+// runtime's idle pool (see the BUG note on idleWatcher), so what is
+// counted is threads blocked in read(2), not threads that exist.
 func TestIdleConnectionsGiveThreadsBack(t *testing.T) {
 	const n = 64
 	// The control first (its readers stay blocked throughout): readers
 	// that never time out keep a thread each.
 	_, _, kept := idleConns(t, -1, n)
-	t.Logf("IdleAfter off: %d connections idle, %d threads more than before", n, kept)
+	t.Logf("IdleAfter off: %d connections idle, %d more threads blocked in read than before", n, kept)
 	if kept < n/2 {
 		t.Fatalf("without IdleAfter %d connections held only %d threads: the test measures nothing", n, kept)
 	}
 	_, cs, extra := idleConns(t, 50*time.Millisecond, n)
-	t.Logf("IdleAfter 50ms: %d connections idle, %d threads more than before", n, extra)
+	t.Logf("IdleAfter 50ms: %d connections idle, %d more threads blocked in read than before", n, extra)
 	if extra > n/4 {
-		t.Errorf("%d idle connections kept %d threads", n, extra)
+		t.Errorf("%d idle connections kept %d threads blocked in read", n, extra)
 	}
 	for i, c := range cs {
 		c.send(cmdRead, 0, 2, 0, 4096, nil)

@@ -1,0 +1,151 @@
+#!/bin/bash
+# Node-scale bench, inside the VM: N images mapped at once, 4 MiB written
+# to each, then all unmapped; for each contender the serving processes'
+# memory (Pss, Rss summed), threads, map and unmap times, and (ours) the
+# daemon's memory a minute after the last unmap against its start-up.
+#   e2e/scale.sh OUTDIR     (env: SCALE_N "8 32", SCALE_CONTENDERS
+#   "ours ours16 ceph": rbd-nbd-go with the default connections (one per
+#   vCPU) and with 16, and Ceph's rbd-nbd; "alt" and "alt16" are the same
+#   for the build in BENCH_ALT_BIN, for A/B in one run; SCALE_AFTER
+#   seconds to wait after the last unmap (60))
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-/vm-out/scale}
+mkdir -p "$out"
+B=$PWD/bin/rbd-nbd-go
+work=$(mktemp -d /tmp/scale.XXXXXX)
+export CEPH_CONF
+CEPH_CONF=$(scripts/ceph-dev-cluster start "$work/ceph" --timeout 120) || exit 1
+ceph-authtool "$work/ceph/keyring" -p -n client.admin >"$work/admin.key"
+mon=$(awk -F' *= *' '/mon[ _]host/ {print $2; exit}' "$CEPH_CONF")
+ns=${SCALE_N:-8 32}
+maxn=0
+for n in $ns; do ((n > maxn)) && maxn=$n; done
+for i in $(seq 1 $maxn); do rbd create --size 64M rbd/s$i || exit 1; done
+
+k=(--id admin -m "$mon" --keyfile="$work/admin.key")
+state() { # the state dir and binary of a contender of ours
+	case $1 in
+	alt*) echo "/run/rbd-nbd-go-$1 ${BENCH_ALT_BIN:?}" ;;
+	*) echo "/run/rbd-nbd-go-$1 $B" ;;
+	esac
+}
+map_one() { # map_one CONTENDER IMAGE -> device
+	local st bin conns=()
+	[ "$1" = ceph ] && { rbd-nbd "${k[@]}" --rbd-cache=false map "rbd/$2" --try-netlink --io-timeout=0; return; }
+	read -r st bin <<<"$(state "$1")"
+	[[ $1 == *16 ]] && conns=(--connections 16)
+	RBD_NBD_GO_STATE_DIR=$st $bin "${k[@]}" map "rbd/$2" --try-netlink --io-timeout=0 "${conns[@]}"
+}
+unmap_one() {
+	local st bin
+	case $1 in
+	ceph) rbd-nbd unmap "$2" ;;
+	*) read -r st bin <<<"$(state "$1")"; RBD_NBD_GO_STATE_DIR=$st $bin unmap "$2" ;;
+	esac
+}
+pids() { # the serving processes
+	case $1 in
+	ceph) pgrep -x rbd-nbd ;;
+	*) local st; read -r st _ <<<"$(state "$1")"; cat "$st/daemon.lock" 2>/dev/null ;;
+	esac
+}
+mem() { # mem CONTENDER -> "pss_kib rss_kib threads procs"
+	local p pss=0 rss=0 thr=0 n=0 a b
+	for p in $(pids "$1"); do
+		a=$(awk '/^Pss:/ {print $2}' /proc/$p/smaps_rollup 2>/dev/null) || continue
+		b=$(awk '/^Rss:/ {print $2}' /proc/$p/smaps_rollup 2>/dev/null)
+		pss=$((pss + ${a:-0})) rss=$((rss + ${b:-0}))
+		thr=$((thr + $(awk '/^Threads:/ {print $2}' /proc/$p/status)))
+		n=$((n + 1))
+	done
+	echo "$pss $rss $thr $n"
+}
+ms() { echo $((($(date +%s%N) - $1) / 1000000)); }
+stats() { sort -n | awk '{a[NR] = $1} END {printf "%d %d", a[int((NR + 1) / 2)], a[NR]}'; } # median max
+
+# nbd.ko, loaded by our daemon (the VM has no modprobe), with room for
+# every device of the biggest run.
+{ d=$($B map mem:4M) && $B unmap "$d"; pkill -f "$B daemon"; sleep 1; } || { echo "scale: cannot load nbd"; exit 1; }
+
+printf '| N | contender | Pss MiB | Rss MiB | threads | procs | map ms (median/max) | unmap ms (median/max) | start-up Pss MiB | Pss MiB %ss after unmap | threads after |\n' "${SCALE_AFTER:-60}" >"$out/scale.md"
+printf '|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n' >>"$out/scale.md"
+for n in $ns; do
+	for c in ${SCALE_CONTENDERS:-ours ours16 ceph}; do
+		echo "scale: N=$n $c"
+		start="-"
+		if [ "$c" != ceph ]; then
+			# The daemon started and idle: one tiny device mapped and
+			# unmapped, so it runs, with no Ceph client yet.
+			d=$(map_one "$c" s1) && unmap_one "$c" "$d" >/dev/null
+			sleep 2
+			read -r p _ _ _ <<<"$(mem "$c")"
+			start=$((p / 1024))
+		fi
+		: >"$work/map.ms"; : >"$work/unmap.ms"; devs=()
+		for i in $(seq 1 "$n"); do
+			t0=$(date +%s%N)
+			d=$(map_one "$c" s$i) || { echo "scale: map s$i failed"; break; }
+			ms "$t0" >>"$work/map.ms"
+			devs+=("$d")
+			dd if=/dev/urandom of="$d" bs=1M count=4 oflag=direct status=none
+		done
+		sleep 3
+		read -r pss rss thr procs <<<"$(mem "$c")"
+		for d in "${devs[@]}"; do
+			t0=$(date +%s%N)
+			unmap_one "$c" "$d" >/dev/null || echo "scale: unmap $d failed"
+			ms "$t0" >>"$work/unmap.ms"
+		done
+		after="-" athr="-"
+		if [ "$c" != ceph ]; then
+			sleep "${SCALE_AFTER:-60}"
+			read -r p _ athr _ <<<"$(mem "$c")"
+			after=$((p / 1024))
+			pkill -f "daemon --state-dir $(state "$c" | cut -d' ' -f1)( |$)"
+			sleep 1
+		fi
+		read -r mmed mmax <<<"$(stats <"$work/map.ms")"
+		read -r umed umax <<<"$(stats <"$work/unmap.ms")"
+		printf '| %d | %s | %d | %d | %d | %d | %d / %d | %d / %d | %s | %s | %s |\n' "$n" "$c" $((pss / 1024)) $((rss / 1024)) \
+			"$thr" "$procs" "$mmed" "$mmax" "$umed" "$umax" "$start" "$after" "$athr" | tee -a "$out/scale.md"
+		cp "$work/unmap.ms" "$out/unmap-$n-$c.ms"
+	done
+done
+scripts/ceph-dev-cluster stop "$work/ceph" >/dev/null 2>&1
+# The chart: Pss and threads per contender and N, each panel relative to
+# Ceph's rbd-nbd (one process per device) at the same N.
+python3 - "$out/scale.md" >"$out/scale.svg" <<'PY'
+import sys
+rows = [[c.strip() for c in l.strip().strip("|").split("|")] for l in open(sys.argv[1]) if l.startswith("| ") and l[2].isdigit()]
+data = {(int(r[0]), r[1]): {"Pss": float(r[2]), "threads": float(r[4])} for r in rows}
+ns = sorted({n for n, _ in data}); cs = list(dict.fromkeys(c for _, c in data))
+colors = ["#2b6cb0", "#dd6b20", "#38a169", "#718096", "#805ad5"]
+W, PH, top, left = 760, 220, 40, 60
+gw = (W - left - 20) / len(ns); bw = (gw - 30) / max(1, len(cs))
+out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{2 * (PH + top + 30) + 40}" font-family="sans-serif" font-size="11">',
+       '<rect width="100%" height="100%" fill="white"/>']
+for pi, (m, title) in enumerate([("Pss", "Total Pss"), ("threads", "Threads")]):
+    y0 = pi * (PH + top + 30) + top
+    ratio = {(n, c): data[(n, c)][m] / data[(n, "ceph")][m] if (n, "ceph") in data and data[(n, "ceph")][m] else 0 for (n, c) in data}
+    top_v = max(max(ratio.values()), 1.0) * 1.15
+    out.append(f'<text x="{left}" y="{y0 - 14}" font-weight="bold" font-size="13">{title} relative to rbd-nbd (one process per device); lower is better</text>')
+    base = y0 + PH
+    out.append(f'<line x1="{left}" y1="{base}" x2="{W - 20}" y2="{base}" stroke="black"/>')
+    y1 = base - PH / top_v
+    out.append(f'<line x1="{left}" y1="{y1:.1f}" x2="{W - 20}" y2="{y1:.1f}" stroke="#999" stroke-dasharray="4 3"/><text x="{left - 6}" y="{y1 + 4:.1f}" text-anchor="end">1.0x</text>')
+    for ni, n in enumerate(ns):
+        gx = left + ni * gw + 15
+        out.append(f'<text x="{gx + len(cs) * bw / 2:.1f}" y="{base + 16}" text-anchor="middle">N = {n} images</text>')
+        for ci, c in enumerate(cs):
+            if (n, c) not in ratio: continue
+            v = ratio[(n, c)]; h = PH * v / top_v; x = gx + ci * bw
+            out.append(f'<rect x="{x:.1f}" y="{base - h:.1f}" width="{bw - 4:.1f}" height="{h:.1f}" fill="{colors[ci % 5]}"/>')
+            out.append(f'<text x="{x + (bw - 4) / 2:.1f}" y="{base - h - 4:.1f}" text-anchor="middle" font-size="10">{v:.2f} ({data[(n, c)][m]:.0f})</text>')
+ly = 2 * (PH + top + 30) + 20
+for ci, c in enumerate(cs):
+    out.append(f'<rect x="{left + ci * 150}" y="{ly - 10}" width="12" height="12" fill="{colors[ci % 5]}"/><text x="{left + ci * 150 + 18}" y="{ly}">{c}</text>')
+out.append("</svg>")
+print("\n".join(out))
+PY
+cat "$out/scale.md"
