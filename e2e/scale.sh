@@ -3,10 +3,10 @@
 # to each, then all unmapped; for each contender the serving processes'
 # memory (Pss, Rss summed), threads, map and unmap times, and (ours) the
 # daemon's memory a minute after the last unmap against its start-up.
-#   e2e/scale.sh OUTDIR     (env: SCALE_N "8 32", SCALE_CONTENDERS
+#   e2e/scale.sh OUTDIR     (env: BENCH_SCALE_N "8 32", BENCH_SCALE_CONTENDERS
 #   "ours ours16 ceph": rbd-nbd-go with the default connections (one per
 #   vCPU) and with 16, and Ceph's rbd-nbd; "alt" and "alt16" are the same
-#   for the build in BENCH_ALT_BIN, for A/B in one run; SCALE_AFTER
+#   for the build in BENCH_ALT_BIN, for A/B in one run; BENCH_SCALE_AFTER
 #   seconds to wait after the last unmap (60))
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +18,7 @@ export CEPH_CONF
 CEPH_CONF=$(scripts/ceph-dev-cluster start "$work/ceph" --timeout 120) || exit 1
 ceph-authtool "$work/ceph/keyring" -p -n client.admin >"$work/admin.key"
 mon=$(awk -F' *= *' '/mon[ _]host/ {print $2; exit}' "$CEPH_CONF")
-ns=${SCALE_N:-8 32}
+ns=${BENCH_SCALE_N:-8 32}
 maxn=0
 for n in $ns; do ((n > maxn)) && maxn=$n; done
 for i in $(seq 1 $maxn); do rbd create --size 64M rbd/s$i || exit 1; done
@@ -68,10 +68,10 @@ stats() { sort -n | awk '{a[NR] = $1} END {printf "%d %d", a[int((NR + 1) / 2)],
 # every device of the biggest run.
 { d=$($B map mem:4M) && $B unmap "$d"; pkill -f "$B daemon"; sleep 1; } || { echo "scale: cannot load nbd"; exit 1; }
 
-printf '| N | contender | Pss MiB | Rss MiB | threads | procs | map ms (median/max) | unmap ms (median/max) | start-up Pss MiB | Pss MiB %ss after unmap | threads after |\n' "${SCALE_AFTER:-60}" >"$out/scale.md"
+printf '| N | contender | Pss MiB | Rss MiB | threads | procs | map ms (median/max) | unmap ms (median/max) | start-up Pss MiB | Pss MiB %ss after unmap | threads after |\n' "${BENCH_SCALE_AFTER:-60}" >"$out/scale.md"
 printf '|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n' >>"$out/scale.md"
 for n in $ns; do
-	for c in ${SCALE_CONTENDERS:-ours ours16 ceph}; do
+	for c in ${BENCH_SCALE_CONTENDERS:-ours ours16 ceph}; do
 		echo "scale: N=$n $c"
 		start="-"
 		if [ "$c" != ceph ]; then
@@ -99,7 +99,7 @@ for n in $ns; do
 		done
 		after="-" athr="-"
 		if [ "$c" != ceph ]; then
-			sleep "${SCALE_AFTER:-60}"
+			sleep "${BENCH_SCALE_AFTER:-60}"
 			read -r p _ athr _ <<<"$(mem "$c")"
 			after=$((p / 1024))
 			pkill -f "daemon --state-dir $(state "$c" | cut -d' ' -f1)( |$)"
