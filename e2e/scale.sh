@@ -8,16 +8,10 @@
 #   vCPU) and with 16, and Ceph's rbd-nbd; "alt" and "alt16" are the same
 #   for the build in BENCH_ALT_BIN, for A/B in one run; BENCH_SCALE_AFTER
 #   seconds to wait after the last unmap (60))
-set -uo pipefail
-cd "$(dirname "$0")/.."
+. "$(dirname "$0")/lib.sh" # B, work, and cluster(): CEPH_CONF, $mon, $work/admin.key
 out=${1:-/vm-out/scale}
 mkdir -p "$out"
-B=$PWD/bin/rbd-nbd-go
-work=$(mktemp -d /tmp/scale.XXXXXX)
-export CEPH_CONF
-CEPH_CONF=$(scripts/ceph-dev-cluster start "$work/ceph" --timeout 120) || exit 1
-ceph-authtool "$work/ceph/keyring" -p -n client.admin >"$work/admin.key"
-mon=$(awk -F' *= *' '/mon[ _]host/ {print $2; exit}' "$CEPH_CONF")
+cluster || exit 1
 ns=${BENCH_SCALE_N:-8 32}
 maxn=0
 for n in $ns; do ((n > maxn)) && maxn=$n; done

@@ -11,7 +11,7 @@ import (
 )
 
 // DefaultIdleAfter is how long a connection's reader waits in read(2)
-// before it gives its thread back (see idleWatcher).
+// before it parks in the idle watcher (see idleWatcher).
 const DefaultIdleAfter = 500 * time.Millisecond
 
 // An idleWatcher parks the readers of idle connections: one goroutine in
@@ -94,7 +94,6 @@ func (iw *idleWatcher) loop(epfd int) {
 		if err != nil && err != unix.EINTR {
 			// Cannot happen with a valid epfd; wake everyone, whose
 			// reads then block as before.
-			n = 0
 			iw.mu.Lock()
 			for id, w := range iw.waiters {
 				delete(iw.waiters, id)
@@ -106,7 +105,7 @@ func (iw *idleWatcher) loop(epfd int) {
 			return
 		}
 		iw.mu.Lock()
-		for _, ev := range events[:max(n, 0)] {
+		for _, ev := range events[:max(n, 0)] { // n is -1 on EINTR
 			id := uint64(uint32(ev.Fd)) | uint64(uint32(ev.Pad))<<32
 			if w, ok := iw.waiters[id]; ok {
 				// Removed while its waiter is parked, so fd is still

@@ -34,8 +34,8 @@ func threads(t *testing.T) int {
 
 // idleConns serves n kernel-style connections (ServeNegotiated), has
 // each answer one request, lets them all idle past IdleAfter, and
-// returns the clients and the threads the process then has beyond
-// before.
+// returns the clients and how many more threads are then blocked in
+// read(2) than before.
 func idleConns(t *testing.T, idleAfter time.Duration, n int) (*Server, []*tclient, int) {
 	dev := newFlat(1 << 20)
 	s := NewServer(Config{IdleAfter: idleAfter})
@@ -55,7 +55,7 @@ func idleConns(t *testing.T, idleAfter time.Duration, n int) (*Server, []*tclien
 		}
 	}
 	// Every reader is now blocked in read(2), holding a thread, until
-	// IdleAfter passes; give the runtime time to end the threads.
+	// IdleAfter passes and it parks.
 	time.Sleep(max(idleAfter, 0) + 300*time.Millisecond)
 	return s, cs, threads(t) - before
 }

@@ -12,8 +12,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-
-	"golang.org/x/sys/unix"
 )
 
 // ErrServerClosed is returned by Serve and ServeConn after Shutdown.
@@ -81,8 +79,8 @@ type Config struct {
 	// the kernel's autotuning.
 	SendBuffer int
 	// IdleAfter is how long a connection may wait for a request before
-	// its reader gives its OS thread back (default DefaultIdleAfter;
-	// negative never: one thread per connection, always).
+	// its reader parks in the idle watcher instead of holding a thread
+	// in read(2) (default DefaultIdleAfter; negative never).
 	IdleAfter time.Duration
 }
 
@@ -256,16 +254,10 @@ func (s *Server) transmit(w *wire, br *bufio.Reader, sess *session) error {
 		s.mu.Unlock()
 		return ErrServerClosed
 	}
-	r := w.detach(br)
+	r := w.detach(br, s.cfg.IdleAfter, &s.idle)
 	s.mu.Unlock()
 	if w.unix && s.cfg.SendBuffer > 0 {
 		SetSendBuffer(w.fd, s.cfg.SendBuffer)
-	}
-	if w.fd >= 0 && s.cfg.IdleAfter > 0 {
-		tv := unix.NsecToTimeval(s.cfg.IdleAfter.Nanoseconds())
-		if unix.SetsockoptTimeval(w.fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv) == nil {
-			r = w.idleReader(r, &s.idle)
-		}
 	}
 	c := newConn(s, w, bufio.NewReaderSize(r, 64<<10), sess)
 	s.log.Debug("nbd connection", "remote", remote(nc), "export", sess.exp.Name,

@@ -37,8 +37,9 @@ func newWire(nc net.Conn) *wire { return &wire{nc: nc, fd: -1} }
 
 // detach moves w to a blocking descriptor of its own (called with the
 // server's lock held). Bytes the handshake reader already buffered are
-// kept in front of the returned reader.
-func (w *wire) detach(br *bufio.Reader) io.Reader {
+// kept in front of the returned reader. With idleAfter > 0 a read that
+// waits that long parks in iw instead of holding its thread.
+func (w *wire) detach(br *bufio.Reader, idleAfter time.Duration, iw *idleWatcher) io.Reader {
 	var rest []byte
 	if n := br.Buffered(); n > 0 {
 		rest, _ = br.Peek(n)
@@ -68,22 +69,17 @@ func (w *wire) detach(br *bufio.Reader) io.Reader {
 		d, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_DOMAIN)
 		w.unix = err == nil && d == unix.AF_UNIX
 		r = w.f
+		if idleAfter > 0 {
+			tv := unix.NsecToTimeval(idleAfter.Nanoseconds())
+			if unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv) == nil {
+				r = &fdReader{fd: fd, idle: iw}
+			}
+		}
 	}
 	if len(rest) > 0 {
-		r = &multiReader{rest: bytes.NewReader(rest), r: r}
+		r = io.MultiReader(bytes.NewReader(rest), r)
 	}
 	return r
-}
-
-// idleReader swaps the detached socket under r (which may be behind
-// the handshake's leftover bytes) for one that parks in iw when a read
-// times out. The socket's SO_RCVTIMEO must be set.
-func (w *wire) idleReader(r io.Reader, iw *idleWatcher) io.Reader {
-	fr := &fdReader{fd: w.fd, idle: iw}
-	if mr, ok := r.(*multiReader); ok {
-		return &multiReader{rest: mr.rest, r: fr}
-	}
-	return fr
 }
 
 // stopReading makes a blocked or future read return EOF while replies can
@@ -133,18 +129,4 @@ func SetSendBuffer(fd, n int) error {
 		return nil
 	}
 	return unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_SNDBUF, n)
-}
-
-// multiReader is io.MultiReader for the handshake's leftover bytes in
-// front of the socket, kept as a type so idleReader can swap the socket.
-type multiReader struct {
-	rest *bytes.Reader
-	r    io.Reader
-}
-
-func (m *multiReader) Read(p []byte) (int, error) {
-	if m.rest.Len() > 0 {
-		return m.rest.Read(p)
-	}
-	return m.r.Read(p)
 }
