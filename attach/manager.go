@@ -17,6 +17,7 @@ import (
 	"github.com/rbd-nbd-go/rbd-nbd-go/control"
 	"github.com/rbd-nbd-go/rbd-nbd-go/devspec"
 	"github.com/rbd-nbd-go/rbd-nbd-go/kernel"
+	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
 	"github.com/rbd-nbd-go/rbd-nbd-go/rbdio"
 )
 
@@ -33,12 +34,16 @@ type Config struct {
 	// ReattachWait bounds how long a reattach waits for the kernel to
 	// notice the old connections are dead.
 	ReattachWait time.Duration
+	// MemoryBudget bounds the payload bytes in flight over every device
+	// (nbd.DefaultMemoryBudget if 0): all devices share one nbd.Shared.
+	MemoryBudget int
 }
 
 // Manager serves every NBD device of the node.
 type Manager struct {
-	cfg Config
-	log *slog.Logger
+	cfg    Config
+	log    *slog.Logger
+	shared *nbd.Shared
 
 	mu   sync.Mutex
 	devs map[int]*device
@@ -82,7 +87,7 @@ func NewManager(cfg Config) *Manager {
 	if cfg.ReattachWait <= 0 {
 		cfg.ReattachWait = 10 * time.Second
 	}
-	return &Manager{cfg: cfg, log: cfg.Log, devs: map[int]*device{}}
+	return &Manager{cfg: cfg, log: cfg.Log, shared: nbd.NewShared(cfg.MemoryBudget), devs: map[int]*device{}}
 }
 
 func (m *Manager) backendOptions(d *device) backend.Options {
@@ -125,7 +130,7 @@ func (m *Manager) Map(rec control.Record) (control.Record, error) {
 		}
 	}
 	d := &device{rec: rec}
-	s, err := newServed(rec, m.backendOptions(d), m.log)
+	s, err := newServed(rec, m.backendOptions(d), m.shared, m.log)
 	if err != nil {
 		return control.Record{}, err
 	}
@@ -350,7 +355,7 @@ func (m *Manager) Attach(rec control.Record) (control.Record, error) {
 	}
 	rec.Detached = false
 	d := &device{rec: rec}
-	s, err := newServed(rec, m.backendOptions(d), m.log)
+	s, err := newServed(rec, m.backendOptions(d), m.shared, m.log)
 	if err != nil {
 		return control.Record{}, err
 	}

@@ -87,12 +87,12 @@ func closeAll(fs []*os.File) {
 }
 
 // newServed opens rec's backend and an NBD server with one export.
-func newServed(rec control.Record, opts backend.Options, log *slog.Logger) (*served, error) {
+func newServed(rec control.Record, opts backend.Options, shared *nbd.Shared, log *slog.Logger) (*served, error) {
 	opened, err := backend.Open(rec.Spec, opts)
 	if err != nil {
 		return nil, err
 	}
-	srv := nbd.NewServer(nbd.Config{Logger: log})
+	srv := nbd.NewServer(nbd.Config{Logger: log, Shared: shared})
 	if err := srv.AddExport(nbd.Export{Description: opened.Describe, Backend: opened.Backend,
 		ReadOnly: rec.ReadOnly}); err != nil {
 		opened.Close()

@@ -41,6 +41,9 @@ type Config struct {
 	// CPUProfile, if set, profiles the daemon until it stops
 	// (development).
 	CPUProfile string
+	// MemoryBudget bounds payload bytes in flight over every device
+	// (attach.Config.MemoryBudget).
+	MemoryBudget int
 }
 
 // Run serves until ctx ends. A daemon that finds another one holding
@@ -104,7 +107,8 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	if err != nil {
 		return err
 	}
-	m := attach.NewManager(attach.Config{Kernel: ctl, Clusters: rbdio.NewClusters(), Store: store, Log: log})
+	m := attach.NewManager(attach.Config{Kernel: ctl, Clusters: rbdio.NewClusters(), Store: store, Log: log,
+		MemoryBudget: cfg.MemoryBudget})
 	if err := m.Restore(); err != nil {
 		log.Error("some devices were not reattached", "err", err)
 	}

@@ -47,8 +47,11 @@ run_scenario() {
 all_io_flushers() { # every thread of PID has PF_MEMALLOC_NOIO (what PR_SET_IO_FLUSHER sets)
 	local f fl n=0
 	for f in /proc/$1/task/*/stat; do
-		fl=$(sed 's/.*) //' "$f" | awk '{print $7}')
-		[ $(( fl & 0x80000 )) -ne 0 ] || { log "  thread ${f%/stat} lacks PF_MEMALLOC_NOIO"; return 1; }
+		# Threads come and go (idle readers end theirs): one that is
+		# gone by the time its flags are read is skipped, not flagless.
+		fl=$(sed 's/.*) //' "$f" 2>/dev/null | awk '{print $7}')
+		[ -n "$fl" ] || continue
+		[ $(( fl & 0x80000 )) -ne 0 ] || { log "  thread ${f%/stat} lacks PF_MEMALLOC_NOIO (flags $fl)"; return 1; }
 		n=$((n + 1))
 	done
 	log "  $n daemon threads, all IO flushers"

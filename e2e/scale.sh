@@ -55,6 +55,16 @@ mem() { # mem CONTENDER -> "pss_kib rss_kib threads procs"
 	done
 	echo "$pss $rss $thr $n"
 }
+diag() { # where one contender's memory and threads go (its first process)
+	local p
+	p=$(pids "$1" | head -1)
+	[ -n "$p" ] || return
+	grep -E '^(Rss|Pss|Pss_Anon|Pss_File|Pss_Shmem|Locked):' /proc/$p/smaps_rollup
+	echo "threads by name:"
+	cat /proc/$p/task/*/comm | sort | uniq -c | sort -rn
+	echo "largest mappings by Pss (KiB):"
+	awk '/^[0-9a-f]+-[0-9a-f]+ / {name = $6 ? $6 : "[anon]"} /^Pss:/ {pss[name] += $2} END {for (n in pss) print pss[n], n}' /proc/$p/smaps | sort -rn | head -15
+}
 ms() { echo $((($(date +%s%N) - $1) / 1000000)); }
 stats() { sort -n | awk '{a[NR] = $1} END {printf "%d %d", a[int((NR + 1) / 2)], a[NR]}'; } # median max
 
@@ -86,6 +96,7 @@ for n in $ns; do
 		done
 		sleep 3
 		read -r pss rss thr procs <<<"$(mem "$c")"
+		diag "$c" >"$out/diag-$n-$c.txt"
 		for d in "${devs[@]}"; do
 			t0=$(date +%s%N)
 			unmap_one "$c" "$d" >/dev/null || echo "scale: unmap $d failed"

@@ -19,8 +19,10 @@ import (
 // steady state allocates nothing per request.
 type conn struct {
 	srv        *Server
+	pool       *Shared
 	w          *wire
-	br         *bufio.Reader
+	rd         io.Reader     // the socket
+	br         *bufio.Reader // over rd; nil while parked idle
 	exp        *Export
 	be         Backend
 	size       uint64
@@ -32,6 +34,7 @@ type conn struct {
 	mu       sync.Mutex
 	cond     sync.Cond // signalled when requests return to free
 	free     []*Request
+	made     int // requests allocated so far, up to total: on demand
 	total    int
 	bytes    int // payload bytes held by requests in flight
 	maxBytes int
@@ -57,12 +60,20 @@ type conn struct {
 	hdr [requestHeaderSize]byte
 }
 
-func newConn(s *Server, w *wire, br *bufio.Reader, sess *session) *conn {
+// connSlots is how many requests' worth of queues a connection starts
+// with; they grow (once) to MaxInflight if the client goes that deep.
+// Idle and shallow connections, most of a node's, stay small.
+const connSlots = 16
+
+func newConn(s *Server, w *wire, rd io.Reader, sess *session) *conn {
 	n := s.cfg.MaxInflight
+	k := min(n, connSlots)
 	c := &conn{
 		srv:        s,
+		pool:       s.pool,
 		w:          w,
-		br:         br,
+		rd:         rd,
+		br:         s.pool.reader(rd),
 		exp:        sess.exp,
 		be:         sess.exp.Backend,
 		size:       sess.size,
@@ -72,20 +83,15 @@ func newConn(s *Server, w *wire, br *bufio.Reader, sess *session) *conn {
 		meta:       sess.meta,
 		total:      n,
 		maxBytes:   s.cfg.MaxInflightBytes,
-		free:       make([]*Request, n),
-		done:       make([]*Request, 0, n),
+		free:       make([]*Request, 0, k),
+		done:       make([]*Request, 0, k),
 		wake:       make(chan struct{}, 1),
 		stop:       make(chan struct{}),
 		exited:     make(chan struct{}),
 	}
 	c.cond.L = &c.mu
-	c.send.init(w, n)
+	c.send.init(w, k)
 	c.send.sp.on = zeroCopyFor(s.cfg.ZeroCopy, sess.kernel, w.unix)
-	reqs := make([]Request, n)
-	for i := range reqs {
-		reqs[i].owner = c
-		c.free[i] = &reqs[i]
-	}
 	return c
 }
 
@@ -95,13 +101,17 @@ func (c *conn) serve() error {
 	// Every request read must be answered before the socket closes.
 	c.kick()
 	c.mu.Lock()
-	for len(c.free) < c.total {
+	for len(c.free) < c.made {
 		c.cond.Wait()
 	}
 	c.mu.Unlock()
 	close(c.stop)
 	<-c.exited
-	if n := c.send.sp.close(c.w.fd, &c.srv.bufs); n > 0 {
+	if c.br != nil {
+		c.pool.putReader(c.br)
+		c.br = nil
+	}
+	if n := c.send.sp.close(c.w.fd, &c.pool.bufs); n > 0 {
 		c.srv.log.Warn("nbd: peer left lent read data unconsumed; leaking it rather than reusing it under the peer",
 			"loans", n, "remote", remote(c.w.nc))
 	}
@@ -112,20 +122,96 @@ func (c *conn) serve() error {
 }
 
 // acquire takes a free request, waiting while too many are in flight or
-// their payloads exceed the byte budget (but never when nothing is in
-// flight, so a single large request always proceeds).
+// their payloads exceed the connection's byte limit or the pool's budget
+// (but never when nothing of ours is in flight, so a single large request
+// always proceeds and no connection starves behind the others).
 func (c *conn) acquire(payload int) *Request {
 	c.mu.Lock()
-	for len(c.free) == 0 || (c.bytes > 0 && c.bytes+payload > c.maxBytes) {
+	for (len(c.free) == 0 && c.made == c.total) || (c.bytes > 0 && c.bytes+payload > c.maxBytes) {
 		c.wantSend() // only sending returns requests
 		c.cond.Wait()
 	}
-	r := c.free[len(c.free)-1]
-	c.free = c.free[:len(c.free)-1]
+	switch {
+	case payload == 0:
+	case c.bytes == 0:
+		c.pool.budget.take(payload)
+	case !c.pool.budget.tryTake(payload):
+		// Wait for others' replies without our lock: our own
+		// completions need it to be queued and sent.
+		c.wantSend()
+		c.mu.Unlock()
+		c.pool.budget.waitTake(payload)
+		c.mu.Lock()
+	}
+	var r *Request
+	if n := len(c.free); n > 0 {
+		r = c.free[n-1]
+		c.free = c.free[:n-1]
+	} else {
+		r = &Request{owner: c}
+		c.made++
+	}
 	c.bytes += payload
 	c.mu.Unlock()
 	r.held = payload
 	return r
+}
+
+// readFull fills p from the socket like io.ReadFull, parking the reader
+// in the idle watcher whenever the socket stays quiet for IdleAfter.
+func (c *conn) readFull(p []byte) error {
+	got := 0
+	for got < len(p) {
+		n, err := c.br.Read(p[got:])
+		got += n
+		switch {
+		case err == nil:
+		case err == errIdle:
+			if err := c.park(); err != nil {
+				return err
+			}
+		case err == io.EOF && got > 0:
+			return io.ErrUnexpectedEOF
+		default:
+			return err
+		}
+	}
+	return nil
+}
+
+// park waits in the idle watcher until the socket is readable. With
+// nothing buffered the read buffer goes back to the pool meanwhile: an
+// idle connection keeps no buffer and (see idleWatcher) no thread.
+func (c *conn) park() error {
+	if c.br.Buffered() == 0 {
+		c.pool.putReader(c.br)
+		c.br = nil
+	}
+	err := c.pool.idle.wait(c.w.fd)
+	if c.br == nil {
+		c.br = c.pool.reader(c.rd)
+	}
+	return err
+}
+
+// discard skips n bytes of the socket.
+func (c *conn) discard(n int) error {
+	for n > 0 {
+		m, err := c.br.Discard(n)
+		n -= m
+		switch {
+		case err == nil:
+		case err == errIdle:
+			if err := c.park(); err != nil {
+				return err
+			}
+		case err == io.EOF:
+			return io.ErrUnexpectedEOF
+		default:
+			return err
+		}
+	}
+	return nil
 }
 
 func (c *conn) readLoop() error {
@@ -133,7 +219,7 @@ func (c *conn) readLoop() error {
 		if c.br.Buffered() < requestHeaderSize {
 			c.kick() // about to block in read: send what is ready
 		}
-		if _, err := io.ReadFull(c.br, c.hdr[:]); err != nil {
+		if err := c.readFull(c.hdr[:]); err != nil {
 			return err
 		}
 		h := c.hdr[:]
@@ -157,7 +243,7 @@ func (c *conn) readLoop() error {
 		if e := c.check(r); e != 0 {
 			if cmd == cmdWrite {
 				// The payload is on the wire whatever we think of it.
-				if _, err := io.CopyN(io.Discard, c.br, int64(length)); err != nil {
+				if err := c.discard(int(length)); err != nil {
 					c.recycle([]*Request{r})
 					return err
 				}
@@ -167,13 +253,13 @@ func (c *conn) readLoop() error {
 			continue
 		}
 		if payload > 0 {
-			r.buf = c.srv.bufs.get(payload)
+			r.buf = c.pool.bufs.get(payload)
 			r.Data = r.buf.b
 			if cmd == cmdWrite {
 				if c.br.Buffered() < payload {
 					c.kick() // the payload read will block
 				}
-				if _, err := io.ReadFull(c.br, r.Data); err != nil {
+				if err := c.readFull(r.Data); err != nil {
 					c.recycle([]*Request{r})
 					return err
 				}
@@ -281,19 +367,22 @@ func (c *conn) recycle(batch []*Request) {
 	for _, r := range batch {
 		c.releaseBuf(r)
 	}
+	held := 0
 	c.mu.Lock()
 	for _, r := range batch {
-		c.bytes -= r.held
+		held += r.held
 		c.free = append(c.free, r)
 	}
+	c.bytes -= held
 	c.mu.Unlock()
+	c.pool.budget.give(held)
 	c.cond.Signal()
 	clear(batch)
 }
 
 func (c *conn) releaseBuf(r *Request) {
 	if r.buf != nil {
-		c.srv.bufs.put(r.buf)
+		c.pool.bufs.put(r.buf)
 		r.buf, r.Data = nil, nil
 	}
 	if r.loan != nil {

@@ -88,11 +88,12 @@ func FuzzTransmission(f *testing.F) {
 		exp := Export{Backend: Inline(newFlat(65536)), ReadOnly: mode&4 != 0}
 		s.AddExport(exp)
 		nc := &streamConn{r: bytes.NewReader(data)}
-		c := newConn(s, newWire(nc), bufio.NewReader(nc), &session{
+		c := newConn(s, newWire(nc), nc, &session{
 			exp: s.export(""), size: 65536, structured: mode&1 != 0, meta: mode&2 != 0})
 		c.serve()
-		if len(c.free) != c.total || c.bytes != 0 {
-			t.Fatalf("requests leaked: %d of %d free, %d bytes held", len(c.free), c.total, c.bytes)
+		if len(c.free) != c.made || c.made > c.total || c.bytes != 0 || s.pool.InFlight() != 0 {
+			t.Fatalf("requests leaked: %d of %d made (at most %d) free, %d bytes held, %d in the budget",
+				len(c.free), c.made, c.total, c.bytes, s.pool.InFlight())
 		}
 		checkReplies(t, nc.w.Bytes(), c.structured)
 	})

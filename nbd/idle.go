@@ -4,6 +4,7 @@ import (
 	"errors"
 	"io"
 	"os"
+	"runtime"
 	"sync"
 	"time"
 
@@ -24,18 +25,20 @@ const DefaultIdleAfter = 500 * time.Millisecond
 // connections) the daemon's threads and their stacks would grow with
 // them. So the socket gets SO_RCVTIMEO: a read that waits longer than
 // IdleAfter returns EAGAIN, the reader registers the socket here (one
-// shot, level-triggered: data that came meanwhile wakes it at once) and
-// parks on a channel, which frees its thread for other goroutines. The
-// first byte that arrives wakes the reader, which goes back to blocking
-// reads. A busy connection never reaches the timeout and pays nothing.
+// shot, level-triggered: data that came meanwhile wakes it at once),
+// parks on a channel, and its thread is ended (releaseThread): the Go
+// runtime never ends an idle thread, so without that the daemon would
+// keep as many threads as readers were ever blocked at once. The first
+// byte that arrives wakes the reader, which goes back to blocking reads
+// (on a thread the scheduler gives it). A busy connection never reaches
+// the timeout and pays nothing.
 //
-// BUG(nbd): the freed threads stay as the Go runtime's idle threads,
-// which it never ends, so the process keeps as many threads as readers
-// were ever blocked at once; what the watcher saves is that they are
-// not all needed again. Ending them (a goroutine that exits while
-// locked to its thread) was tried: once, in the VM, a daemon thread
-// was then seen without PF_MEMALLOC_NOIO, which the daemon's
-// no-reclaim-deadlock rule cannot allow until it is understood.
+// Ending threads keeps the no-reclaim-deadlock rule: PF_MEMALLOC_NOIO
+// (PR_SET_IO_FLUSHER) is inherited at clone, so the threads the runtime
+// makes later have it like every thread before them. (A VM check once
+// reported a thread without it; that check read each thread's flags
+// after listing the threads, so a thread that ended in between read as
+// flagless. It now skips threads that are gone.)
 type idleWatcher struct {
 	mu      sync.Mutex
 	epfd    int // valid while running
@@ -80,8 +83,17 @@ func (iw *idleWatcher) wait(fd int) error {
 		return os.NewSyscallError("epoll_ctl", err)
 	}
 	iw.mu.Unlock()
+	releaseThread()
 	<-ch
 	return nil
+}
+
+// releaseThread ends the OS thread that ran the goroutine which is about
+// to park: the goroutine started here runs next on it (runnext), locks
+// itself to the thread and exits, and the runtime ends a thread whose
+// locked goroutine exits.
+func releaseThread() {
+	go runtime.LockOSThread()
 }
 
 // loop wakes the waiters whose sockets became readable, removing each
@@ -125,19 +137,19 @@ func (iw *idleWatcher) loop(epfd int) {
 	}
 }
 
-// fdReader reads a detached socket whose SO_RCVTIMEO is set, parking in
-// the idle watcher instead of failing when a read times out.
-type fdReader struct {
-	fd   int
-	idle *idleWatcher
-}
+// errIdle is what a read of a detached socket returns when nothing came
+// for IdleAfter: the reader should park (conn.park), not fail.
+var errIdle = errors.New("nbd: connection idle")
 
-func (r *fdReader) Read(p []byte) (int, error) {
+// fdReader reads a detached socket whose SO_RCVTIMEO is set.
+type fdReader int
+
+func (r fdReader) Read(p []byte) (int, error) {
 	if len(p) == 0 {
 		return 0, nil
 	}
 	for {
-		n, err := unix.Read(r.fd, p)
+		n, err := unix.Read(int(r), p)
 		switch {
 		case err == nil && n == 0:
 			return 0, io.EOF
@@ -145,9 +157,7 @@ func (r *fdReader) Read(p []byte) (int, error) {
 			return n, nil
 		case errors.Is(err, unix.EINTR):
 		case errors.Is(err, unix.EAGAIN):
-			if werr := r.idle.wait(r.fd); werr != nil {
-				return 0, werr
-			}
+			return 0, errIdle
 		default:
 			return 0, os.NewSyscallError("read", err)
 		}

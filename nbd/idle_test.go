@@ -5,6 +5,7 @@ import (
 	"context"
 	"os"
 	"runtime"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -32,16 +33,50 @@ func threads(t *testing.T) int {
 	return n
 }
 
+// procThreads is this process's thread count.
+func procThreads(t *testing.T) int {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		t.Skip("no /proc/self/status")
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, "Threads:"); ok {
+			n, _ := strconv.Atoi(strings.TrimSpace(v))
+			return n
+		}
+	}
+	t.Skip("no Threads in /proc/self/status")
+	return 0
+}
+
+// inUse is the Go memory in use (heap objects and goroutine stacks)
+// after a collection.
+func inUse() int64 {
+	runtime.GC()
+	runtime.GC() // the second empties sync.Pools' victim caches
+	var m runtime.MemStats
+	runtime.ReadMemStats(&m)
+	return int64(m.HeapAlloc + m.StackInuse)
+}
+
 // idleConns serves n kernel-style connections (ServeNegotiated), has
 // each answer one request, lets them all idle past IdleAfter, and
 // returns the clients and how many more threads are then blocked in
 // read(2) than before.
 func idleConns(t *testing.T, idleAfter time.Duration, n int) (*Server, []*tclient, int) {
+	s, cs, blocked, _, _ := idleConnsCost(t, idleAfter, n)
+	return s, cs, blocked
+}
+
+// idleConnsCost is idleConns that also returns how many more threads
+// the process has and how much more Go memory is in use, per connection.
+func idleConnsCost(t *testing.T, idleAfter time.Duration, n int) (*Server, []*tclient, int, int, int64) {
 	dev := newFlat(1 << 20)
 	s := NewServer(Config{IdleAfter: idleAfter})
 	s.AddExport(Export{Backend: Inline(dev)})
 	t.Cleanup(func() { s.Shutdown(context.Background()) })
-	before := threads(t)
+	before, threadsBefore, memBefore := threads(t), procThreads(t), inUse()
 	cs := make([]*tclient, n)
 	for i := range cs {
 		a, b := socketpair(t)
@@ -57,28 +92,33 @@ func idleConns(t *testing.T, idleAfter time.Duration, n int) (*Server, []*tclien
 	// Every reader is now blocked in read(2), holding a thread, until
 	// IdleAfter passes and it parks.
 	time.Sleep(max(idleAfter, 0) + 300*time.Millisecond)
-	return s, cs, threads(t) - before
+	return s, cs, threads(t) - before, procThreads(t) - threadsBefore, (inUse() - memBefore) / int64(n)
 }
 
 // TestIdleConnectionsGiveThreadsBack: 64 idle connections hold no
-// threads with IdleAfter (their readers park in the watcher), and one
-// thread each without it; either way every connection still answers at
-// once when it gets busy again. Threads freed this way stay in the
-// runtime's idle pool (see the BUG note on idleWatcher), so what is
-// counted is threads blocked in read(2), not threads that exist.
+// threads with IdleAfter (their readers park in the watcher and their
+// threads end) and no read buffers, where without it each holds a thread
+// blocked in read and its buffer; either way every connection still
+// answers at once when it gets busy again.
 func TestIdleConnectionsGiveThreadsBack(t *testing.T) {
 	const n = 64
 	// The control first (its readers stay blocked throughout): readers
-	// that never time out keep a thread each.
-	_, _, kept := idleConns(t, -1, n)
-	t.Logf("IdleAfter off: %d connections idle, %d more threads blocked in read than before", n, kept)
-	if kept < n/2 {
-		t.Fatalf("without IdleAfter %d connections held only %d threads: the test measures nothing", n, kept)
+	// that never time out keep a thread and a buffer each.
+	_, _, kept, grew, mem := idleConnsCost(t, -1, n)
+	t.Logf("IdleAfter off: %d connections idle: %d more threads blocked in read, %d more threads, %d bytes each",
+		n, kept, grew, mem)
+	if kept < n/2 || grew < n/2 || mem < readBufSize {
+		t.Fatalf("without IdleAfter %d connections held only %d threads blocked in read, %d threads, %d bytes each: the test measures nothing",
+			n, kept, grew, mem)
 	}
-	_, cs, extra := idleConns(t, 50*time.Millisecond, n)
-	t.Logf("IdleAfter 50ms: %d connections idle, %d more threads blocked in read than before", n, extra)
-	if extra > n/4 {
-		t.Errorf("%d idle connections kept %d threads blocked in read", n, extra)
+	_, cs, extra, grew, mem := idleConnsCost(t, 50*time.Millisecond, n)
+	t.Logf("IdleAfter 50ms: %d connections idle: %d more threads blocked in read, %d more threads, %d bytes each",
+		n, extra, grew, mem)
+	if extra > n/8 || grew > n/8 {
+		t.Errorf("%d idle connections kept %d threads blocked in read, %d threads in all", n, extra, grew)
+	}
+	if mem > 32<<10 {
+		t.Errorf("an idle connection costs %d bytes of Go memory, want at most 32 KiB", mem)
 	}
 	for i, c := range cs {
 		c.send(cmdRead, 0, 2, 0, 4096, nil)

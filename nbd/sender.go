@@ -42,7 +42,7 @@ func (s *sendState) init(w *wire, n int) {
 	s.w = w
 	s.batch = make([]*Request, 0, n)
 	s.iov = make([][]byte, 0, 2*n)
-	s.iovecs = make([]unix.Iovec, iovMax)
+	s.iovecs = make([]unix.Iovec, 2*n)
 	s.zc = make([]spliceReply, 0, n)
 }
 
@@ -50,6 +50,9 @@ func (s *sendState) init(w *wire, n int) {
 // Blocking unless dontWait; EAGAIN is returned as is.
 func (s *sendState) sendmsg(dontWait bool) error {
 	n := min(len(s.nb), iovMax)
+	if n > len(s.iovecs) {
+		s.iovecs = make([]unix.Iovec, min(max(n, 2*len(s.iovecs)), iovMax))
+	}
 	for i, b := range s.nb[:n] {
 		s.iovecs[i].Base = &b[0]
 		s.iovecs[i].SetLen(len(b))
@@ -267,7 +270,7 @@ func (c *conn) encode() {
 	s.iov = iov
 	s.window(0)
 	if s.sp.on {
-		s.sp.reclaim(c.w.fd, &c.srv.bufs)
+		s.sp.reclaim(c.w.fd, &c.pool.bufs)
 	}
 }
 

@@ -82,14 +82,16 @@ type Config struct {
 	// its reader parks in the idle watcher instead of holding a thread
 	// in read(2) (default DefaultIdleAfter; negative never).
 	IdleAfter time.Duration
+	// Shared is shared with the other servers of the process (default: a
+	// pool of the server's own with DefaultMemoryBudget).
+	Shared *Shared
 }
 
 // Server speaks NBD on any number of listeners and connections.
 type Server struct {
 	cfg  Config
 	log  *slog.Logger
-	bufs bufPool
-	idle idleWatcher
+	pool *Shared
 	// spliced counts READ payload bytes sent by reference (tests read it).
 	spliced atomic.Uint64
 
@@ -122,9 +124,13 @@ func NewServer(cfg Config) *Server {
 	if cfg.HandshakeTimeout <= 0 {
 		cfg.HandshakeTimeout = 30 * time.Second
 	}
+	if cfg.Shared == nil {
+		cfg.Shared = NewShared(0)
+	}
 	return &Server{
 		cfg:       cfg,
 		log:       cfg.Logger,
+		pool:      cfg.Shared,
 		exports:   map[string]*Export{},
 		listeners: map[net.Listener]struct{}{},
 		conns:     map[*wire]struct{}{},
@@ -254,12 +260,12 @@ func (s *Server) transmit(w *wire, br *bufio.Reader, sess *session) error {
 		s.mu.Unlock()
 		return ErrServerClosed
 	}
-	r := w.detach(br, s.cfg.IdleAfter, &s.idle)
+	r := w.detach(br, s.cfg.IdleAfter)
 	s.mu.Unlock()
 	if w.unix && s.cfg.SendBuffer > 0 {
 		SetSendBuffer(w.fd, s.cfg.SendBuffer)
 	}
-	c := newConn(s, w, bufio.NewReaderSize(r, 64<<10), sess)
+	c := newConn(s, w, r, sess)
 	s.log.Debug("nbd connection", "remote", remote(nc), "export", sess.exp.Name,
 		"structured", sess.structured, "flags", fmt.Sprintf("%#x", uint16(c.tflags)))
 	err := c.serve()

@@ -38,8 +38,8 @@ func newWire(nc net.Conn) *wire { return &wire{nc: nc, fd: -1} }
 // detach moves w to a blocking descriptor of its own (called with the
 // server's lock held). Bytes the handshake reader already buffered are
 // kept in front of the returned reader. With idleAfter > 0 a read that
-// waits that long parks in iw instead of holding its thread.
-func (w *wire) detach(br *bufio.Reader, idleAfter time.Duration, iw *idleWatcher) io.Reader {
+// waits that long fails with errIdle (the reader then parks: conn.park).
+func (w *wire) detach(br *bufio.Reader, idleAfter time.Duration) io.Reader {
 	var rest []byte
 	if n := br.Buffered(); n > 0 {
 		rest, _ = br.Peek(n)
@@ -72,7 +72,7 @@ func (w *wire) detach(br *bufio.Reader, idleAfter time.Duration, iw *idleWatcher
 		if idleAfter > 0 {
 			tv := unix.NsecToTimeval(idleAfter.Nanoseconds())
 			if unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv) == nil {
-				r = &fdReader{fd: fd, idle: iw}
+				r = fdReader(fd)
 			}
 		}
 	}

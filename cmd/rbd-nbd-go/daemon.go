@@ -2,7 +2,9 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"io"
+	"math"
 	"os"
 	"os/signal"
 	"syscall"
@@ -11,6 +13,7 @@ import (
 
 	"github.com/rbd-nbd-go/rbd-nbd-go/control"
 	"github.com/rbd-nbd-go/rbd-nbd-go/daemon"
+	"github.com/rbd-nbd-go/rbd-nbd-go/devspec"
 	"github.com/rbd-nbd-go/rbd-nbd-go/kernel"
 )
 
@@ -19,6 +22,10 @@ import (
 func newDaemon(g *globalOpts) *cobra.Command {
 	var mod kernel.ModuleOptions
 	readyFD := -1
+	budget := os.Getenv(memoryBudgetEnv)
+	if budget == "" {
+		budget = "512M"
+	}
 	cmd := &cobra.Command{
 		Use:    "daemon",
 		Short:  "Serve this node's NBD devices (started by map/attach on first use)",
@@ -29,11 +36,19 @@ func newDaemon(g *globalOpts) *cobra.Command {
 			if readyFD >= 0 {
 				ready = os.NewFile(uintptr(readyFD), "ready")
 			}
+			b, err := devspec.ParseSize(budget)
+			if err != nil || b == 0 || b > math.MaxInt64/2 {
+				err := fmt.Errorf("memory budget %q: want a size like 512M or 2G", budget)
+				if ready != nil {
+					fmt.Fprintln(ready, err) // the starter reports it
+				}
+				return err
+			}
 			ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 			defer stop()
 			signal.Ignore(syscall.SIGHUP, syscall.SIGPIPE)
-			err := daemon.Run(ctx, daemon.Config{StateDir: g.stateDir, Module: mod, Log: logger(g.logLevel),
-				Ready: ready,
+			err = daemon.Run(ctx, daemon.Config{StateDir: g.stateDir, Module: mod, Log: logger(g.logLevel),
+				Ready: ready, MemoryBudget: int(b),
 				// Test and development hooks.
 				KernelInterface: os.Getenv("RBD_NBD_GO_KERNEL_INTERFACE"),
 				CPUProfile:      os.Getenv("RBD_NBD_GO_CPU_PROFILE")})
@@ -47,8 +62,15 @@ func newDaemon(g *globalOpts) *cobra.Command {
 	f.IntVar(&mod.NbdsMax, "nbds_max", 0, "nbd module parameter, if the daemon loads the module")
 	f.IntVar(&mod.MaxPart, "max_part", 0, "nbd module parameter, if the daemon loads the module")
 	f.IntVar(&readyFD, "ready-fd", -1, "write \"ok\" (or the error) here once serving")
+	f.StringVar(&budget, "memory-budget", budget,
+		"payload memory that requests may hold in flight over all devices (default $"+memoryBudgetEnv+" or 512M; a daemon started on demand inherits the environment)")
 	return cmd
 }
+
+// memoryBudgetEnv sets the daemon's --memory-budget: the daemon is
+// started on demand by whichever command first needs it, and inherits
+// that command's environment.
+const memoryBudgetEnv = "RBD_NBD_GO_MEMORY_BUDGET"
 
 // client is the node daemon's control client for this command line.
 func (g *globalOpts) client(nbdsMax, maxPart int) *control.Client {

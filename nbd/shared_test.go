@@ -1,0 +1,64 @@
+package nbd
+
+import (
+	"bufio"
+	"context"
+	"testing"
+	"time"
+)
+
+// TestSharedBudget: servers over one Shared hold at most its budget of
+// payload in flight, past which a connection's next request waits for
+// replies, except that a connection with nothing in flight always gets
+// one; the budget is whole again once everything is answered.
+func TestSharedBudget(t *testing.T) {
+	const size = 32 << 10
+	sh := NewShared(2 * size)
+	dev := newAsync(1 << 20)
+	cs := make([]*tclient, 2)
+	for i := range cs {
+		s := NewServer(Config{Shared: sh})
+		s.AddExport(Export{Backend: dev})
+		t.Cleanup(func() { s.Shutdown(context.Background()) })
+		a, b := socketpair(t)
+		go s.ServeNegotiated(a, "")
+		cs[i] = &tclient{t: t, c: b, br: bufio.NewReader(b)}
+		t.Cleanup(func() { b.Close() })
+		b.SetDeadline(time.Now().Add(30 * time.Second))
+	}
+	for k := range 3 {
+		cs[0].send(cmdWrite, 0, uint64(k), uint64(k*size), size, pattern(size, byte(k)))
+	}
+	held := dev.wait(t, 2)
+	select {
+	case r := <-dev.got:
+		t.Fatalf("a third %d-byte request (offset %d) got past a budget of two", size, r.Offset)
+	case <-time.After(200 * time.Millisecond):
+	}
+	if got := sh.InFlight(); got != 2*size {
+		t.Fatalf("in flight %d bytes, want %d", got, 2*size)
+	}
+	// Over the budget, but the second connection has nothing in flight.
+	cs[1].send(cmdWrite, 0, 9, 0, size, pattern(size, 9))
+	held = append(held, dev.wait(t, 1)[2])
+	if got := sh.InFlight(); got != 3*size {
+		t.Fatalf("in flight %d bytes, want %d", got, 3*size)
+	}
+	for _, r := range held {
+		dev.finish(r, nil)
+	}
+	dev.finish(dev.wait(t, 1)[0], nil) // the third of the first connection
+	for _, c := range []*tclient{cs[0], cs[0], cs[0], cs[1]} {
+		if r := c.recv(0); r.errno != 0 {
+			t.Fatalf("write %d: errno %d", r.cookie, r.errno)
+		}
+	}
+	// Budget goes back once a reply is sent, just after the client can
+	// read it.
+	for end := time.Now().Add(5 * time.Second); sh.InFlight() != 0 && time.Now().Before(end); {
+		time.Sleep(time.Millisecond)
+	}
+	if got := sh.InFlight(); got != 0 {
+		t.Fatalf("in flight %d bytes after every reply, want 0", got)
+	}
+}
