@@ -3,7 +3,10 @@ package daemon
 import (
 	"context"
 	"log/slog"
+	"os"
+	"runtime"
 	"runtime/debug"
+	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -46,7 +49,12 @@ const lockFlags = unix.MCL_CURRENT | unix.MCL_FUTURE | unix.MCL_ONFAULT
 // evicts nothing); for the few milliseconds in between they could only
 // be reclaimed under memory pressure, and run only when devices went
 // away, not on a busy I/O path.
+//
+// First the Go runtime's idle threads are ended (endIdleThreads): a
+// thread's stack stays locked while it lives, and so do librbd's
+// per-thread malloc caches of threads that ran cgo calls.
 func releaseMemory(freeC func()) {
+	endIdleThreads(runtime.GOMAXPROCS(0) + spareThreads)
 	unix.Munlockall()
 	debug.FreeOSMemory()
 	if freeC != nil {
@@ -77,4 +85,50 @@ func giveBack(ctx context.Context, tick time.Duration, devices func() int, relea
 		}
 		prev = n
 	}
+}
+
+// spareThreads is how many Go threads beyond GOMAXPROCS endIdleThreads
+// keeps: sysmon, the template thread, and a few for the next burst.
+const spareThreads = 4
+
+// endIdleThreads ends Go runtime threads until at most keep are left.
+// The runtime never ends an idle thread itself, so every thread a burst
+// of blocking calls once needed (maps, unmaps, reads of busy sockets)
+// would stay for the life of the daemon. A goroutine that exits while
+// locked to its thread takes the thread with it; the scheduler runs
+// those goroutines on idle threads first, and makes new threads later
+// only for work that needs them (born with PF_MEMALLOC_NOIO like every
+// thread: it is inherited at clone).
+func endIdleThreads(keep int) {
+	n := goThreads() - keep
+	var wg sync.WaitGroup
+	for range n {
+		wg.Add(1)
+		go func() {
+			runtime.LockOSThread()
+			wg.Done()
+		}()
+	}
+	wg.Wait()
+}
+
+// goThreads counts this process's threads that carry its own name: the
+// Go runtime's (librados names its threads, and cgo callbacks run on
+// those).
+func goThreads() int {
+	self, err := os.ReadFile("/proc/self/comm")
+	if err != nil {
+		return 0
+	}
+	tasks, err := os.ReadDir("/proc/self/task")
+	if err != nil {
+		return 0
+	}
+	n := 0
+	for _, t := range tasks {
+		if comm, err := os.ReadFile("/proc/self/task/" + t.Name() + "/comm"); err == nil && string(comm) == string(self) {
+			n++
+		}
+	}
+	return n
 }

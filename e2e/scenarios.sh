@@ -1,6 +1,6 @@
 #!/bin/bash
 # Kernel-NBD scenarios, run inside the VM (scripts/vm/vm.sh) as root:
-#   e2e/scenarios.sh [a b c ... j]    (default: all)
+#   e2e/scenarios.sh [a b c ... k]    (default: all)
 # Each scenario prints PASS/FAIL lines; the exit status is the number of
 # failed scenarios. Uses bin/rbd-nbd-go from the checkout.
 set -uo pipefail
@@ -249,7 +249,55 @@ scenario_j() { # LUKS through librbd and --exclusive: encrypted at rest, wrong p
 	rm -f "$work/vol-j.raw"
 }
 
-[ $# -gt 0 ] || set -- a b c d e f g h i j
+scenario_k() { # many devices mapped and unmapped under load: no unmap waits for an I/O timeout
+	cluster || return
+	local n=${E2E_MANY:-12} i d rc dev pids=() devs=() slow=0 worst=0 ms t0
+	for i in $(seq 1 "$n"); do rbd create --size 64M rbd/many-$i >/dev/null 2>&1 || { fail_check "rbd create many-$i"; return; }; done
+	: >"$work/unmap-k.ms"
+	unmap_timed() { # unmap DEV, noting how long it took
+		t0=$(date +%s%N)
+		$B unmap "$1" || { log "  unmap $1 failed"; fail_check "unmap $1"; }
+		ms=$((($(date +%s%N) - t0) / 1000000))
+		echo "$ms $1" >>"$work/unmap-k.ms"
+	}
+	dmesg -C
+	for round in 1 2; do
+		devs=() pids=()
+		for i in $(seq 1 "$n"); do
+			dev=$(csi_map rbd/many-$i many-$i) || { fail_check "map many-$i (round $round)"; continue; }
+			devs+=("$dev")
+		done
+		log "  round $round: ${#devs[@]} devices mapped"
+		# Load on the first half for the whole round: fio writes, flushes
+		# (fdatasync) and verifies.
+		local half=$(( ${#devs[@]} / 2 ))
+		for d in "${devs[@]:0:$half}"; do
+			fio_run "$work/fio-k-${d#/dev/}.out" "$d" 16M --iodepth=16 --fdatasync=8 &
+			pids+=($!)
+		done
+		sleep 2
+		# The second half while that runs: a burst of writes and a flush,
+		# then unmapped at once (the moment of the 30-s unmap once seen).
+		for d in "${devs[@]:$half}"; do
+			dd if=/dev/urandom of="$d" bs=1M count=4 oflag=direct conv=fsync status=none || fail_check "dd to $d"
+			unmap_timed "$d"
+		done
+		for i in "${!pids[@]}"; do
+			wait "${pids[$i]}"; rc=$?
+			d=${devs[$i]}
+			check "round $round: fio on $d without errors (rc $rc)" fio_clean "$work/fio-k-${d#/dev/}.out" $rc
+			unmap_timed "$d" # right after its load
+		done
+	done
+	read -r worst d < <(sort -n "$work/unmap-k.ms" | tail -1)
+	log "  $(wc -l <"$work/unmap-k.ms") unmaps, median $(sort -n "$work/unmap-k.ms" | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}') ms, worst $worst ms ($d)"
+	check "no unmap took over 5 s (worst $worst ms)" eval '[ "$worst" -le 5000 ]'
+	dmesg > "$work/dmesg-k"
+	check "the kernel timed no request out" eval '! grep -E "timed out|Unexpected reply|I/O error" $work/dmesg-k'
+	check "list-mapped is empty" no_devices
+}
+
+[ $# -gt 0 ] || set -- a b c d e f g h i j k
 for s in "$@"; do run_scenario "$s" "scenario_$s"; done
 [ $cluster_up -eq 1 ] && scripts/ceph-dev-cluster stop "$work/ceph" >/dev/null 2>&1
 pkill -f "$B daemon" 2>/dev/null

@@ -116,6 +116,10 @@ type Request struct {
 	buf    *payload
 	loan   Loan // read data lent by the backend, instead of Data
 	held   int  // payload bytes reserved against the connection's budget
+	// For the slow-request watchdog (slow.go), under the conn's lock.
+	state uint8
+	slow  bool
+	born  uint32 // watchdog tick when read
 	// inSubmit is set while the reader is inside Backend.Submit(r): a
 	// completion then is inline and the reader will send its reply.
 	inSubmit atomic.Bool

@@ -34,7 +34,8 @@ type conn struct {
 	mu       sync.Mutex
 	cond     sync.Cond // signalled when requests return to free
 	free     []*Request
-	made     int // requests allocated so far, up to total: on demand
+	all      []*Request // every request made, for the watchdog
+	made     int        // requests allocated so far, up to total: on demand
 	total    int
 	bytes    int // payload bytes held by requests in flight
 	maxBytes int
@@ -96,6 +97,8 @@ func newConn(s *Server, w *wire, rd io.Reader, sess *session) *conn {
 }
 
 func (c *conn) serve() error {
+	c.pool.dog.add(c)
+	defer c.pool.dog.remove(c)
 	go c.writer()
 	err := c.readLoop()
 	// Every request read must be answered before the socket closes.
@@ -150,7 +153,9 @@ func (c *conn) acquire(payload int) *Request {
 	} else {
 		r = &Request{owner: c}
 		c.made++
+		c.all = append(c.all, r)
 	}
+	r.state, r.slow, r.born = reqBackend, false, c.pool.dog.tick.Load()
 	c.bytes += payload
 	c.mu.Unlock()
 	r.held = payload
@@ -368,15 +373,24 @@ func (c *conn) recycle(batch []*Request) {
 		c.releaseBuf(r)
 	}
 	held := 0
+	var slow []slowDone
 	c.mu.Lock()
 	for _, r := range batch {
 		held += r.held
+		r.state = reqFree
+		if r.slow {
+			slow = append(slow, c.slowDone(r))
+		}
 		c.free = append(c.free, r)
 	}
 	c.bytes -= held
 	c.mu.Unlock()
 	c.pool.budget.give(held)
 	c.cond.Signal()
+	for _, s := range slow {
+		c.srv.log.Warn("nbd: slow request answered", "op", s.op, "offset", s.off, "length", s.length,
+			"after", s.secs, "err", s.err, "remote", remote(c.w.nc))
+	}
 	clear(batch)
 }
 

@@ -89,6 +89,7 @@ func (s *sendState) sendmsg(dontWait bool) error {
 // client's last FLUSH).
 func (c *conn) complete(r *Request) {
 	c.mu.Lock()
+	r.state = reqReply
 	c.done = append(c.done, r)
 	if r.cmd == cmdRead {
 		c.deferred += len(r.Data)
@@ -103,6 +104,7 @@ func (c *conn) complete(r *Request) {
 // when the batch must remember c (the first since its last flush).
 func (c *conn) completeDeferred(r *Request) bool {
 	c.mu.Lock()
+	r.state = reqReply
 	c.done = append(c.done, r)
 	first := !c.batched
 	c.batched = true

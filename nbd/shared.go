@@ -32,6 +32,7 @@ type Shared struct {
 	idle   idleWatcher
 	reads  sync.Pool // *bufio.Reader of readBufSize
 	budget budget
+	dog    watchdog
 }
 
 // NewShared returns a Shared whose requests hold at most budget payload
@@ -45,6 +46,7 @@ func NewShared(budget int) *Shared {
 	p := &Shared{}
 	p.budget.max = int64(budget)
 	p.budget.cond.L = &p.budget.mu
+	p.dog.every, p.dog.after = slowTick, slowAfter
 	return p
 }
 

@@ -3,6 +3,9 @@ package nbd
 import (
 	"bufio"
 	"context"
+	"log/slog"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 )
@@ -61,4 +64,58 @@ func TestSharedBudget(t *testing.T) {
 	if got := sh.InFlight(); got != 0 {
 		t.Fatalf("in flight %d bytes after every reply, want 0", got)
 	}
+}
+
+// TestSlowRequestLogged: a request the backend sits on is logged once
+// as slow, saying it waits in the backend, and again when answered.
+func TestSlowRequestLogged(t *testing.T) {
+	var logs syncBuffer
+	sh := NewShared(0)
+	sh.dog.every = 20 * time.Millisecond
+	dev := newAsync(1 << 20)
+	s := NewServer(Config{Shared: sh, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	s.AddExport(Export{Backend: dev})
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		s.Shutdown(ctx) // a failed test may leave the write held
+	})
+	a, b := socketpair(t)
+	go s.ServeNegotiated(a, "")
+	c := &tclient{t: t, c: b, br: bufio.NewReader(b)}
+	t.Cleanup(func() { b.Close() })
+	b.SetDeadline(time.Now().Add(30 * time.Second))
+	c.send(cmdWrite, 0, 1, 4096, 4096, pattern(4096, 1))
+	r := dev.wait(t, 1)[0]
+	time.Sleep(time.Duration(slowAfter+3) * sh.dog.every)
+	got := logs.String()
+	if n := strings.Count(got, `msg="nbd: slow request"`); n != 1 || !strings.Contains(got, `where="in the backend"`) ||
+		!strings.Contains(got, "offset=4096") {
+		t.Fatalf("want one slow-request line for the write in the backend, got %d:\n%s", n, got)
+	}
+	dev.finish(r, nil)
+	c.recv(0)
+	for end := time.Now().Add(5 * time.Second); !strings.Contains(logs.String(), "slow request answered") && time.Now().Before(end); {
+		time.Sleep(time.Millisecond)
+	}
+	if got := logs.String(); !strings.Contains(got, `msg="nbd: slow request answered" op=write offset=4096`) {
+		t.Fatalf("no answered line:\n%s", got)
+	}
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }

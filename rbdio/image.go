@@ -3,6 +3,7 @@ package rbdio
 import (
 	"errors"
 	"fmt"
+	"os"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -40,8 +41,11 @@ type OpenOptions struct {
 // them: librbd reads into and writes from the NBD layer's own buffers,
 // with no copy in Go. Large reads on a connection are not even copied by
 // librbd: they are lent from its own buffers (lend.go). One goroutine,
-// blocked on an eventfd librbd signals, reaps completions in batches: no
-// goroutine or thread per request.
+// parked on an eventfd librbd signals, reaps completions in batches: no
+// goroutine or thread per request. The eventfds are in Go's netpoller, so
+// a device whose I/O stopped holds no thread (a goroutine blocked in
+// read(2) would hold one for good, and threads are per node what the
+// daemon must keep small).
 type Image struct {
 	spec     ceph.ImageSpec
 	img      cImage
@@ -50,7 +54,8 @@ type Image struct {
 	size     atomic.Uint64
 	onResize func(uint64)
 
-	efd, wfd    int // completion and update-watch eventfds
+	efd, wfd    int      // completion and update-watch eventfds (non-blocking)
+	ef, wf      *os.File // the same, read through the netpoller
 	watchHandle uint64
 	reaped      chan struct{}
 	watched     chan struct{}
@@ -134,15 +139,17 @@ func (im *Image) start(oo OpenOptions) error {
 			return fmt.Errorf("image %s: exclusive lock: %w", im.spec, err)
 		}
 	}
-	if im.efd, err = unix.Eventfd(0, unix.EFD_CLOEXEC); err != nil {
+	if im.efd, err = unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK); err != nil {
 		return err
 	}
+	im.ef = os.NewFile(uintptr(im.efd), "rbd-completions")
 	if err := im.img.initQueue(im.efd); err != nil {
 		return fmt.Errorf("image %s: completion queue: %w", im.spec, err)
 	}
-	if im.wfd, err = unix.Eventfd(0, unix.EFD_CLOEXEC); err != nil {
+	if im.wfd, err = unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK); err != nil {
 		return err
 	}
+	im.wf = os.NewFile(uintptr(im.wfd), "rbd-updates")
 	if im.watchHandle, err = im.img.updateWatch(im.wfd); err != nil {
 		return fmt.Errorf("image %s: update watch: %w", im.spec, err)
 	}
@@ -268,7 +275,7 @@ func (im *Image) reap() {
 		batch nbd.Batch
 	)
 	for {
-		if _, err := unix.Read(im.efd, buf[:]); err != nil && err != unix.EINTR {
+		if _, err := im.ef.Read(buf[:]); err != nil {
 			return
 		}
 		for {
@@ -341,7 +348,7 @@ func (im *Image) watch() {
 	defer close(im.watched)
 	var buf [8]byte
 	for {
-		if _, err := unix.Read(im.wfd, buf[:]); err != nil && err != unix.EINTR {
+		if _, err := im.wf.Read(buf[:]); err != nil {
 			return
 		}
 		if im.closed.Load() {
@@ -406,9 +413,9 @@ func (im *Image) Close() error {
 }
 
 func (im *Image) closeFDs() {
-	for _, fd := range []int{im.efd, im.wfd} {
-		if fd >= 0 {
-			unix.Close(fd)
+	for _, f := range []*os.File{im.ef, im.wf} {
+		if f != nil {
+			f.Close()
 		}
 	}
 }
