@@ -42,26 +42,36 @@ const lockFlags = unix.MCL_CURRENT | unix.MCL_FUTURE | unix.MCL_ONFAULT
 
 // releaseMemory gives the memory the daemon no longer uses back to the
 // system. Under mlockall it never could: the kernel refuses
-// MADV_DONTNEED on locked pages, which is how both Go's scavenger and
-// tcmalloc (librbd's heap) return memory, so the daemon kept its peak
-// for good. So: unlock, free (Go's heap, then tcmalloc's), lock again.
-// The pages the daemon still uses stay resident throughout (munlock
-// evicts nothing); for the few milliseconds in between they could only
-// be reclaimed under memory pressure, and run only when devices went
-// away, not on a busy I/O path.
+// MADV_DONTNEED on locked pages, which is how Go's scavenger, tcmalloc
+// (librbd's heap) and glibc (the stacks of ended threads) return
+// memory, so the daemon kept its peak for good. So, unlocked:
+//   - end the Go runtime's idle threads (endIdleThreads): glibc frees
+//     their stacks, and tcmalloc takes back their per-thread caches;
+//   - two collections, since sync.Pools (payload and read buffers) keep
+//     one cycle's worth in their victim caches, and a pause for the
+//     cleanups that unmap pooled payload mappings and for the threads to
+//     finish exiting;
+//   - Go's heap, then tcmalloc's free memory, back to the system;
 //
-// First the Go runtime's idle threads are ended (endIdleThreads): a
-// thread's stack stays locked while it lives, and so do librbd's
-// per-thread malloc caches of threads that ran cgo calls.
+// then lock again. The pages the daemon still uses stay resident
+// throughout (munlock evicts nothing); for the fraction of a second in
+// between they could only be reclaimed under memory pressure, and this
+// runs only once devices went away, not on a busy I/O path.
 func releaseMemory(freeC func()) {
-	endIdleThreads(runtime.GOMAXPROCS(0) + spareThreads)
 	unix.Munlockall()
+	endIdleThreads(runtime.GOMAXPROCS(0) + spareThreads)
+	runtime.GC()
+	runtime.GC()
+	time.Sleep(releasePause)
 	debug.FreeOSMemory()
 	if freeC != nil {
 		freeC()
 	}
 	unix.Mlockall(lockFlags)
 }
+
+// releasePause lets cleanups run and ended threads exit.
+const releasePause = 200 * time.Millisecond
 
 // giveBack calls release once the number of devices has dropped and
 // then held still for one tick (an unmap burst is over), until ctx ends.

@@ -85,7 +85,9 @@ for n in $ns; do
 			sleep 2
 			read -r p _ _ _ <<<"$(mem "$c")"
 			start=$((p / 1024))
+			diag "$c" >"$out/diag-start-$n-$c.txt"
 		fi
+		dmesg -C
 		: >"$work/map.ms"; : >"$work/unmap.ms"; devs=()
 		for i in $(seq 1 "$n"); do
 			t0=$(date +%s%N)
@@ -107,6 +109,9 @@ for n in $ns; do
 			sleep "${BENCH_SCALE_AFTER:-60}"
 			read -r p _ athr _ <<<"$(mem "$c")"
 			after=$((p / 1024))
+			diag "$c" >"$out/diag-after-$n-$c.txt"
+			# Where a request waited, if one was slow (the daemon's watchdog).
+			grep "slow request" "$(state "$c" | cut -d' ' -f1)/daemon.log" >"$out/slow-$n-$c.txt" 2>/dev/null
 			pkill -f "daemon --state-dir $(state "$c" | cut -d' ' -f1)( |$)"
 			sleep 1
 		fi
@@ -115,6 +120,7 @@ for n in $ns; do
 		printf '| %d | %s | %d | %d | %d | %d | %d / %d | %d / %d | %s | %s | %s |\n' "$n" "$c" $((pss / 1024)) $((rss / 1024)) \
 			"$thr" "$procs" "$mmed" "$mmax" "$umed" "$umax" "$start" "$after" "$athr" | tee -a "$out/scale.md"
 		cp "$work/unmap.ms" "$out/unmap-$n-$c.ms"
+		dmesg | grep -E "timed out|Unexpected reply|I/O error" >"$out/dmesg-$n-$c.txt"
 	done
 done
 scripts/ceph-dev-cluster stop "$work/ceph" >/dev/null 2>&1
