@@ -252,6 +252,8 @@ scenario_j() { # LUKS through librbd and --exclusive: encrypted at rest, wrong p
 scenario_k() { # many devices mapped and unmapped under load: no unmap waits for an I/O timeout
 	cluster || return
 	# 20 devices: the module makes 16 at load, so some are made on demand.
+	# E2E_MANY and E2E_MANY_ROUNDS make it longer (one round takes 2-3
+	# minutes under TCG).
 	local n=${E2E_MANY:-20} i d rc dev pids=() devs=() worst=0 ms t0
 	for i in $(seq 1 "$n"); do rbd create --size 64M rbd/many-$i >/dev/null 2>&1 || { fail_check "rbd create many-$i"; return; }; done
 	: >"$work/unmap-k.ms"
@@ -262,7 +264,7 @@ scenario_k() { # many devices mapped and unmapped under load: no unmap waits for
 		echo "$ms $1" >>"$work/unmap-k.ms"
 	}
 	dmesg -C
-	for round in 1 2; do
+	for round in $(seq 1 "${E2E_MANY_ROUNDS:-1}"); do
 		devs=() pids=()
 		for i in $(seq 1 "$n"); do
 			dev=$(csi_map rbd/many-$i many-$i) || { fail_check "map many-$i (round $round)"; continue; }
