@@ -41,9 +41,8 @@ type OpenOptions struct {
 // them: librbd reads into and writes from the NBD layer's own buffers,
 // with no copy in Go. Large reads on a connection are not even copied by
 // librbd: they are lent from its own buffers (lend.go). One goroutine,
-// waiting on an eventfd librbd signals, reaps completions in batches: no
-// goroutine or thread per request. An idle device's reaper waits in Go's
-// netpoller (see waitCompletions), and its update watch always does, so
+// parked on an eventfd librbd signals, reaps completions in batches: no
+// goroutine or thread per request. The eventfds are in Go's netpoller, so
 // a device whose I/O stopped holds no thread (a goroutine blocked in
 // read(2) would hold one for good, and threads are per node what the
 // daemon must keep small).
@@ -276,7 +275,7 @@ func (im *Image) reap() {
 		batch nbd.Batch
 	)
 	for {
-		if err := im.waitCompletions(buf[:]); err != nil {
+		if _, err := im.ef.Read(buf[:]); err != nil {
 			return
 		}
 		for {
@@ -299,37 +298,6 @@ func (im *Image) reap() {
 				return
 			}
 		}
-	}
-}
-
-// reapIdle is how long the reaper waits for completions in poll(2),
-// holding its thread, before it parks in the netpoller instead.
-const reapIdle = 500 * time.Millisecond
-
-// waitCompletions returns once librbd signalled the completion eventfd,
-// having consumed the signal. Under load it waits in poll(2): a thread
-// blocked in a syscall is woken by the kernel directly, the cheapest
-// wake-up there is (through the netpoller instead, the VM measured 6 %
-// more CPU per 4k I/O). A device idle for reapIdle parks its reaper in
-// the netpoller, so it holds no thread until I/O resumes.
-func (im *Image) waitCompletions(buf []byte) error {
-	fds := []unix.PollFd{{Fd: int32(im.efd), Events: unix.POLLIN}}
-	for {
-		n, err := unix.Poll(fds, int(reapIdle/time.Millisecond))
-		switch {
-		case err == unix.EINTR:
-			continue
-		case err != nil:
-			return err
-		case n == 0:
-			_, err := im.ef.Read(buf) // idle: park, no thread
-			return err
-		}
-		_, err = unix.Read(im.efd, buf)
-		if err == unix.EAGAIN {
-			continue // raced with nobody (only we read it); harmless
-		}
-		return err
 	}
 }
 
