@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"sync"
+	"sync/atomic"
 )
 
 // conn is one connection in the transmission phase. Its goroutine reads
@@ -37,7 +38,8 @@ type conn struct {
 	all      []*Request // every request made, for the watchdog
 	made     int        // requests allocated so far, up to total: on demand
 	total    int
-	bytes    int // payload bytes held by requests in flight
+	bytes    int          // payload bytes held by requests in flight
+	owned    atomic.Int64 // bytes, for budget.waitTake (written under mu)
 	maxBytes int
 	done     []*Request // completed, waiting for the writer
 	// Replies of requests completed inline (inside Submit, on the reader)
@@ -143,7 +145,7 @@ func (c *conn) acquire(payload int) *Request {
 		// completions need it to be queued and sent.
 		c.wantSend()
 		c.mu.Unlock()
-		c.pool.budget.waitTake(payload)
+		c.pool.budget.waitTake(payload, &c.owned)
 		c.mu.Lock()
 	}
 	var r *Request
@@ -157,6 +159,7 @@ func (c *conn) acquire(payload int) *Request {
 	}
 	r.state, r.slow, r.born = reqBackend, false, c.pool.dog.tick.Load()
 	c.bytes += payload
+	c.owned.Store(int64(c.bytes))
 	c.mu.Unlock()
 	r.held = payload
 	return r
@@ -384,6 +387,7 @@ func (c *conn) recycle(batch []*Request) {
 		c.free = append(c.free, r)
 	}
 	c.bytes -= held
+	c.owned.Store(int64(c.bytes))
 	c.mu.Unlock()
 	c.pool.budget.give(held)
 	c.cond.Signal()

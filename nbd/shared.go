@@ -90,12 +90,21 @@ func (b *budget) tryTake(n int) bool {
 // take reserves n bytes, over the budget if it must.
 func (b *budget) take(n int) { b.used.Add(int64(n)) }
 
-// waitTake reserves n bytes once they fit. The waiter is counted before
-// it looks, so a give that comes after the look sees it and wakes it.
-func (b *budget) waitTake(n int) {
+// waitTake reserves n bytes once they fit, or at once (over the budget)
+// when the caller's own bytes in flight, mine, fall to 0: a connection
+// must not wait for other connections' requests, which may be stuck in
+// a backend for good, when its own are all answered. The waiter is
+// counted before it looks, so a give that comes after the look (the
+// caller's own included: mine drops before its give) sees it and wakes
+// it.
+func (b *budget) waitTake(n int, mine *atomic.Int64) {
 	b.mu.Lock()
 	b.waiting.Add(1)
 	for !b.tryTake(n) {
+		if mine.Load() == 0 {
+			b.take(n)
+			break
+		}
 		b.cond.Wait()
 	}
 	b.waiting.Add(-1)

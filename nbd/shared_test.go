@@ -66,6 +66,51 @@ func TestSharedBudget(t *testing.T) {
 	}
 }
 
+// TestSharedBudgetOwnDrained: a connection waiting for budget that
+// others hold (a stuck backend's requests, say) goes on as soon as its
+// own requests are answered, instead of waiting for theirs.
+func TestSharedBudgetOwnDrained(t *testing.T) {
+	const size = 32 << 10
+	sh := NewShared(size)
+	dev := newAsync(1 << 20)
+	cs := make([]*tclient, 2)
+	for i := range cs {
+		s := NewServer(Config{Shared: sh})
+		s.AddExport(Export{Backend: dev})
+		t.Cleanup(func() {
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+			defer cancel()
+			s.Shutdown(ctx)
+		})
+		a, b := socketpair(t)
+		go s.ServeNegotiated(a, "")
+		cs[i] = &tclient{t: t, c: b, br: bufio.NewReader(b)}
+		t.Cleanup(func() { b.Close() })
+		b.SetDeadline(time.Now().Add(30 * time.Second))
+	}
+	cs[1].send(cmdWrite, 0, 1, 0, size, pattern(size, 1)) // held for good
+	stuck := dev.wait(t, 1)[0]
+	cs[0].send(cmdWrite, 0, 2, size, size, pattern(size, 2))
+	first := dev.wait(t, 1)[1]
+	cs[0].send(cmdWrite, 0, 3, 2*size, size, pattern(size, 3)) // over the budget: waits
+	select {
+	case r := <-dev.got:
+		t.Fatalf("a request at offset %d got past a full budget while the connection had one in flight", r.Offset)
+	case <-time.After(200 * time.Millisecond):
+	}
+	dev.finish(first, nil)
+	cs[0].recv(0)
+	select {
+	case r := <-dev.got:
+		dev.finish(r, nil)
+		cs[0].recv(0)
+	case <-time.After(5 * time.Second):
+		t.Fatal("the connection's own requests are answered, yet it still waits for another connection's budget")
+	}
+	dev.finish(stuck, nil)
+	cs[1].recv(0)
+}
+
 // TestSlowRequestLogged: a request the backend sits on is logged once
 // as slow, saying it waits in the backend, and again when answered.
 func TestSlowRequestLogged(t *testing.T) {

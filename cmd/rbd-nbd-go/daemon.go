@@ -15,6 +15,7 @@ import (
 	"github.com/rbd-nbd-go/rbd-nbd-go/daemon"
 	"github.com/rbd-nbd-go/rbd-nbd-go/devspec"
 	"github.com/rbd-nbd-go/rbd-nbd-go/kernel"
+	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
 )
 
 // newDaemon is the node daemon's hidden command (control.Client starts
@@ -37,8 +38,10 @@ func newDaemon(g *globalOpts) *cobra.Command {
 				ready = os.NewFile(uintptr(readyFD), "ready")
 			}
 			b, err := devspec.ParseSize(budget)
-			if err != nil || b == 0 || b > math.MaxInt64/2 {
-				err := fmt.Errorf("memory budget %q: want a size like 512M or 2G", budget)
+			if err != nil || b < nbd.MaxPayload || b > math.MaxInt64/2 {
+				// Under one request's worth, the budget would only
+				// serialise every connection to one request at a time.
+				err := fmt.Errorf("memory budget %q: want a size of at least 32M, like 512M or 2G", budget)
 				if ready != nil {
 					fmt.Fprintln(ready, err) // the starter reports it
 				}
