@@ -25,7 +25,7 @@ const (
 // Request states, for the watchdog.
 const (
 	reqFree    uint8 = iota
-	reqBackend       // submitted, not completed
+	reqBackend       // read (a WRITE's payload perhaps still arriving) or submitted, not completed
 	reqReply         // completed, reply not yet sent
 )
 
@@ -105,7 +105,7 @@ func (c *conn) reportSlow(now uint32, wd *watchdog) {
 	writing, handoff := c.writing, c.handoff
 	c.mu.Unlock()
 	for _, s := range found {
-		where := "in the backend"
+		where := "in the backend" // or, rarely, a WRITE whose payload the client has not finished sending
 		if s.state == reqReply {
 			where = "completed, reply not sent"
 		}
