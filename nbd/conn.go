@@ -35,8 +35,7 @@ type conn struct {
 	mu       sync.Mutex
 	cond     sync.Cond // signalled when requests return to free
 	free     []*Request
-	all      []*Request // every request made, for the watchdog
-	made     int        // requests allocated so far, up to total: on demand
+	all      []*Request // every request made (on demand, up to total)
 	total    int
 	bytes    int          // payload bytes held by requests in flight
 	owned    atomic.Int64 // bytes, for budget.waitTake (written under mu)
@@ -106,7 +105,7 @@ func (c *conn) serve() error {
 	// Every request read must be answered before the socket closes.
 	c.kick()
 	c.mu.Lock()
-	for len(c.free) < c.made {
+	for len(c.free) < len(c.all) {
 		c.cond.Wait()
 	}
 	c.mu.Unlock()
@@ -132,7 +131,7 @@ func (c *conn) serve() error {
 // always proceeds and no connection starves behind the others).
 func (c *conn) acquire(payload int) *Request {
 	c.mu.Lock()
-	for (len(c.free) == 0 && c.made == c.total) || (c.bytes > 0 && c.bytes+payload > c.maxBytes) {
+	for (len(c.free) == 0 && len(c.all) == c.total) || (c.bytes > 0 && c.bytes+payload > c.maxBytes) {
 		c.wantSend() // only sending returns requests
 		c.cond.Wait()
 	}
@@ -154,7 +153,6 @@ func (c *conn) acquire(payload int) *Request {
 		c.free = c.free[:n-1]
 	} else {
 		r = &Request{owner: c}
-		c.made++
 		c.all = append(c.all, r)
 	}
 	r.state, r.slow, r.born = reqBackend, false, c.pool.dog.tick.Load()

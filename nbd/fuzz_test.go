@@ -91,9 +91,9 @@ func FuzzTransmission(f *testing.F) {
 		c := newConn(s, newWire(nc), nc, &session{
 			exp: s.export(""), size: 65536, structured: mode&1 != 0, meta: mode&2 != 0})
 		c.serve()
-		if len(c.free) != c.made || c.made > c.total || c.bytes != 0 || s.pool.InFlight() != 0 {
+		if len(c.free) != len(c.all) || len(c.all) > c.total || c.bytes != 0 || s.pool.InFlight() != 0 {
 			t.Fatalf("requests leaked: %d of %d made (at most %d) free, %d bytes held, %d in the budget",
-				len(c.free), c.made, c.total, c.bytes, s.pool.InFlight())
+				len(c.free), len(c.all), c.total, c.bytes, s.pool.InFlight())
 		}
 		checkReplies(t, nc.w.Bytes(), c.structured)
 	})

@@ -99,7 +99,7 @@ func (c *conn) reportSlow(now uint32, wd *watchdog) {
 		if r.state != reqFree && !r.slow && now-r.born >= wd.after {
 			r.slow = true
 			found = append(found, slow{Op(r.cmd), r.Offset, r.Length, r.state,
-				float64(now-r.born) * wd.every.Seconds(), len(c.done), c.made - len(c.free)})
+				float64(now-r.born) * wd.every.Seconds(), len(c.done), len(c.all) - len(c.free)})
 		}
 	}
 	writing, handoff := c.writing, c.handoff
