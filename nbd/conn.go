@@ -60,6 +60,15 @@ type conn struct {
 	send    sendState
 
 	hdr [requestHeaderSize]byte
+
+	// For the watchdog: requests read so far, whether the reader is
+	// parked, and (watchdog goroutine only) for how many ticks the
+	// socket has held unread bytes while no request was read.
+	nread       atomic.Uint64
+	parked      atomic.Bool
+	lastRead    uint64
+	unreadTicks uint32
+	unread      int
 }
 
 // connSlots is how many requests' worth of queues a connection starts
@@ -129,7 +138,9 @@ func (c *conn) serve() error {
 // their payloads exceed the connection's byte limit or the pool's budget
 // (but never when nothing of ours is in flight, so a single large request
 // always proceeds and no connection starves behind the others).
-func (c *conn) acquire(payload int) *Request {
+// The request's header fields are set from h under c.mu, where the
+// watchdog reads them.
+func (c *conn) acquire(payload int, h []byte) *Request {
 	c.mu.Lock()
 	for (len(c.free) == 0 && len(c.all) == c.total) || (c.bytes > 0 && c.bytes+payload > c.maxBytes) {
 		c.wantSend() // only sending returns requests
@@ -156,6 +167,8 @@ func (c *conn) acquire(payload int) *Request {
 		c.all = append(c.all, r)
 	}
 	r.state, r.slow, r.born = reqBackend, false, c.pool.dog.tick.Load()
+	r.cookie, r.cflags, r.cmd = be.Uint64(h[8:]), be.Uint16(h[4:]), be.Uint16(h[6:])
+	r.Offset, r.Length = be.Uint64(h[16:]), be.Uint32(h[24:])
 	c.bytes += payload
 	c.owned.Store(int64(c.bytes))
 	c.mu.Unlock()
@@ -193,7 +206,9 @@ func (c *conn) park() error {
 		c.pool.putReader(c.br)
 		c.br = nil
 	}
+	c.parked.Store(true)
 	err := c.pool.idle.wait(c.w.fd)
+	c.parked.Store(false)
 	if c.br == nil {
 		c.br = c.pool.reader(c.rd)
 	}
@@ -228,6 +243,7 @@ func (c *conn) readLoop() error {
 		if err := c.readFull(c.hdr[:]); err != nil {
 			return err
 		}
+		c.nread.Add(1)
 		h := c.hdr[:]
 		if m := be.Uint32(h[0:]); m != magicRequest {
 			// Framing is lost: nothing after this can be parsed.
@@ -242,9 +258,7 @@ func (c *conn) readLoop() error {
 		if (cmd == cmdRead || cmd == cmdWrite) && length <= MaxPayload {
 			payload = int(length)
 		}
-		r := c.acquire(payload)
-		r.cookie, r.cmd, r.cflags = be.Uint64(h[8:]), cmd, cflags
-		r.Offset, r.Length = be.Uint64(h[16:]), length
+		r := c.acquire(payload, h)
 		r.err, r.Extents = nil, r.Extents[:0]
 		if e := c.check(r); e != 0 {
 			if cmd == cmdWrite {

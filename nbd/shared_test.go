@@ -148,6 +148,43 @@ func TestSlowRequestLogged(t *testing.T) {
 	}
 }
 
+// A request the client sent that the server never reads (here: its
+// reader is stuck in a Submit that does not return) is reported, once:
+// the kernel would time it out with nothing in flight on our side, so
+// the slow-request lines alone would say nothing.
+func TestUnreadRequestLogged(t *testing.T) {
+	var logs syncBuffer
+	sh := NewShared(0)
+	sh.dog.every = 20 * time.Millisecond
+	dev := newAsync(1 << 20)
+	dev.got = make(chan *Request) // Submit blocks the reader until taken
+	s := NewServer(Config{Shared: sh, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	s.AddExport(Export{Backend: dev})
+	a, b := socketpair(t)
+	go s.ServeNegotiated(a, "")
+	c := &tclient{t: t, c: b, br: bufio.NewReader(b)}
+	t.Cleanup(func() { b.Close() })
+	b.SetDeadline(time.Now().Add(30 * time.Second))
+	c.send(cmdRead, 0, 1, 0, 4096, nil)
+	time.Sleep(50 * time.Millisecond) // read, and stuck in Submit
+	c.send(cmdRead, 0, 2, 4096, 4096, nil)
+	time.Sleep(time.Duration(slowAfter+3) * sh.dog.every)
+	got := logs.String()
+	if n := strings.Count(got, `msg="nbd: socket holds a request not read"`); n != 1 || !strings.Contains(got, "unread_bytes=28") {
+		t.Fatalf("want one unread-request line (28 bytes), got %d:\n%s", n, got)
+	}
+	for range 2 {
+		dev.finish(<-dev.got, nil)
+	}
+	c.recv(4096)
+	c.recv(4096)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	if err := s.Shutdown(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
 type syncBuffer struct {
 	mu sync.Mutex
 	b  strings.Builder

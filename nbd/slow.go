@@ -4,6 +4,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // Slow requests. The kernel gives a request 30 s (its block-layer
@@ -72,6 +74,7 @@ func (wd *watchdog) loop() {
 		now := wd.tick.Add(1)
 		cs = cs[:0]
 		for c := range wd.conns {
+			c.sampleUnread() // under wd.mu: its descriptor is still open
 			cs = append(cs, c)
 		}
 		wd.mu.Unlock()
@@ -103,7 +106,9 @@ func (c *conn) reportSlow(now uint32, wd *watchdog) {
 		}
 	}
 	writing, handoff := c.writing, c.handoff
+	inFlight := len(c.all) - len(c.free)
 	c.mu.Unlock()
+	c.reportUnread(wd, inFlight)
 	for _, s := range found {
 		where := "in the backend" // or, rarely, a WRITE whose payload the client has not finished sending
 		if s.state == reqReply {
@@ -128,4 +133,35 @@ type slowDone struct {
 func (c *conn) slowDone(r *Request) slowDone {
 	wd := &c.pool.dog
 	return slowDone{Op(r.cmd), r.Offset, r.Length, float64(wd.tick.Load()-r.born) * wd.every.Seconds(), r.err}
+}
+
+// sampleUnread counts the ticks for which c's socket has held bytes we
+// did not read while no request was read (watchdog goroutine only, under
+// wd.mu, which serve's remove takes before the descriptor is closed).
+func (c *conn) sampleUnread() {
+	n := 0
+	if c.w.fd >= 0 {
+		n, _ = unix.IoctlGetInt(c.w.fd, unix.SIOCINQ)
+	}
+	read := c.nread.Load()
+	if n <= 0 || read != c.lastRead {
+		c.lastRead, c.unreadTicks, c.unread = read, 0, 0
+		return
+	}
+	c.unreadTicks++
+	c.unread = n
+}
+
+// reportUnread logs, once, a connection whose socket has held a request
+// we did not read for slowAfter ticks: one the kernel sent, and will time
+// out on, that never reached the backend (a parked reader not woken, a
+// reader stuck before its next read), which the slow-request lines
+// cannot show.
+func (c *conn) reportUnread(wd *watchdog, inFlight int) {
+	if c.unreadTicks != wd.after {
+		return
+	}
+	c.srv.log.Warn("nbd: socket holds a request not read", "unread_bytes", c.unread,
+		"for", float64(c.unreadTicks)*wd.every.Seconds(), "parked", c.parked.Load(),
+		"in_flight", inFlight, "requests_read", c.lastRead, "remote", remote(c.w.nc))
 }
