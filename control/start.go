@@ -140,7 +140,15 @@ const (
 // process inherits the mark on every thread it will have (the mark is
 // inherited by new threads and kept across exec). The thread is thrown
 // away afterwards (never unlocked).
+//
+// It also turns transparent huge pages off, which the daemon does too
+// (see daemon.protectFromReclaim), so that it holds from the daemon's
+// first instruction: librados' static constructors and Go's first
+// arena run before main. That setting is the whole process's, so this
+// caller (a short-lived CLI, the CSI node plugin) gets it as well,
+// which costs them nothing.
 func startFlusher(cmd *exec.Cmd) error {
+	unix.Prctl(unix.PR_SET_THP_DISABLE, 1, 0, 0, 0) // best effort; the daemon sets it again
 	errc := make(chan error, 1)
 	go func() {
 		runtime.LockOSThread()

@@ -128,7 +128,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	go giveBack(ctx, 5*time.Second, func() int { return len(m.List()) }, func() {
 		t0 := time.Now()
 		releaseMemory(rbdio.ReleaseFreeMemory)
-		log.Debug("memory given back", "took", time.Since(t0))
+		log.Info("memory given back", append(append([]any{"took", time.Since(t0).Round(time.Millisecond)}, goMemory()...), rbdio.CMemory()...)...)
 	})
 	log.Info("serving NBD devices", "pid", os.Getpid(), "kernel", ctl.Name(), "state", cfg.StateDir,
 		"devices", len(m.List()))
