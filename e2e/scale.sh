@@ -59,11 +59,16 @@ diag() { # where one contender's memory and threads go (its first process)
 	local p
 	p=$(pids "$1" | head -1)
 	[ -n "$p" ] || return
-	grep -E '^(Rss|Pss|Pss_Anon|Pss_File|Pss_Shmem|Locked):' /proc/$p/smaps_rollup
+	grep -E '^(Rss|Pss|Pss_Anon|Pss_File|Pss_Shmem|Locked|AnonHugePages|LazyFree):' /proc/$p/smaps_rollup
+	grep THP_enabled /proc/$p/status
 	echo "threads by name:"
 	cat /proc/$p/task/*/comm | sort | uniq -c | sort -rn
 	echo "largest mappings by Pss (KiB):"
 	awk '/^[0-9a-f]+-[0-9a-f]+ / {name = $6 ? $6 : "[anon]"} /^Pss:/ {pss[name] += $2} END {for (n in pss) print pss[n], n}' /proc/$p/smaps | sort -rn | head -15
+	echo "anonymous mappings with Pss >= 128 KiB (start, size KiB, Pss KiB):"
+	awk '/^[0-9a-f]+-[0-9a-f]+ / {anon = !$6; a = $1} /^Size:/ {sz = $2} /^Pss:/ && anon && $2 >= 128 {print a, sz, $2}' /proc/$p/smaps
+	echo "the daemon's last memory release:"
+	grep "memory given back" "$(state "$1" | cut -d' ' -f1)/daemon.log" 2>/dev/null | tail -1
 }
 ms() { echo $((($(date +%s%N) - $1) / 1000000)); }
 stats() { sort -n | awk '{a[NR] = $1} END {printf "%d %d", a[int((NR + 1) / 2)], a[NR]}'; } # median max
@@ -111,7 +116,8 @@ for n in $ns; do
 			after=$((p / 1024))
 			diag "$c" >"$out/diag-after-$n-$c.txt"
 			# Where a request waited, if one was slow (the daemon's watchdog).
-			grep "slow request" "$(state "$c" | cut -d' ' -f1)/daemon.log" >"$out/slow-$n-$c.txt" 2>/dev/null
+			grep -E "slow request|not read" "$(state "$c" | cut -d' ' -f1)/daemon.log" >"$out/slow-$n-$c.txt" 2>/dev/null
+			cp "$(state "$c" | cut -d' ' -f1)/daemon.log" "$out/daemon-$n-$c.log" 2>/dev/null
 			pkill -f "daemon --state-dir $(state "$c" | cut -d' ' -f1)( |$)"
 			sleep 1
 		fi
