@@ -347,7 +347,11 @@ if [ $fails -eq 0 ]; then
 fi
 if [ $fails -ne 0 ]; then
 	kubectl get pods -A -o wide 2>&1 | tail -20
-	kubectl -n $NS logs deploy/rbd-nbd-go-controller -c rbd-nbd-go --tail=30 2>&1
+	# From the files the kubelet writes: kubectl logs goes through the
+	# node's name, which nothing here resolves.
+	for f in /var/log/pods/${NS}_rbd-nbd-go-controller-*/rbd-nbd-go/*.log; do
+		[ -f "$f" ] && { echo "== $f"; tail -40 "$f"; }
+	done
 	tail -30 /run/rbd-nbd-go/daemon.log 2>/dev/null
 fi
 k8s_down

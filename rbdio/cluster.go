@@ -16,14 +16,23 @@ import (
 // Clusters shares one RADOS connection per cluster identity among every
 // image the process opens: one set of monitor sessions and messenger
 // threads per cluster, not per image as Ceph's rbd-nbd has it.
+//
+// A connect takes up to the monitor timeout (30 s when a monitor is
+// down or a key is wrong) and is made without the lock: callers for
+// the same identity wait for it, callers for any other identity (the
+// right key, another cluster) do not. Holding the lock across it let
+// one StorageClass's wrong key, retried by the provisioner, stall every
+// CreateVolume and map behind it.
 type Clusters struct {
 	mu    sync.Mutex
 	conns map[ceph.Options]*clusterRef
 }
 
 type clusterRef struct {
-	conn *rados.Conn
-	refs int
+	ready chan struct{} // closed once the connect ended (conn or err set)
+	conn  *rados.Conn
+	err   error
+	refs  int // callers holding conn, and (before ready) waiting for it
 }
 
 func NewClusters() *Clusters { return &Clusters{conns: map[ceph.Options]*clusterRef{}} }
@@ -34,18 +43,41 @@ func (c *Clusters) get(o ceph.Options) (*rados.Conn, func(), error) {
 		o.Conf = os.Getenv("CEPH_CONF")
 	}
 	c.mu.Lock()
-	defer c.mu.Unlock()
-	if ref, ok := c.conns[o]; ok {
+	ref, ok := c.conns[o]
+	if ok {
 		ref.refs++
+		c.mu.Unlock()
+		<-ref.ready
+		if ref.err != nil {
+			c.drop(o, ref)
+			return nil, nil, ref.err
+		}
 		return ref.conn, c.releaser(o, ref), nil
 	}
-	conn, err := connect(o)
-	if err != nil {
-		return nil, nil, err
-	}
-	ref := &clusterRef{conn: conn, refs: 1}
+	ref = &clusterRef{ready: make(chan struct{}), refs: 1}
 	c.conns[o] = ref
-	return conn, c.releaser(o, ref), nil
+	c.mu.Unlock()
+	ref.conn, ref.err = connect(o)
+	if ref.err != nil {
+		// Forget it at once: the next call tries again.
+		c.mu.Lock()
+		if c.conns[o] == ref {
+			delete(c.conns, o)
+		}
+		ref.refs--
+		c.mu.Unlock()
+		close(ref.ready)
+		return nil, nil, ref.err
+	}
+	close(ref.ready)
+	return ref.conn, c.releaser(o, ref), nil
+}
+
+// drop is a waiter's release of a connect that failed.
+func (c *Clusters) drop(o ceph.Options, ref *clusterRef) {
+	c.mu.Lock()
+	ref.refs--
+	c.mu.Unlock()
 }
 
 // ioctx opens spec's pool (and namespace) on the shared connection; the
@@ -72,9 +104,13 @@ func (c *Clusters) releaser(o ceph.Options, ref *clusterRef) func() {
 	return func() {
 		once.Do(func() {
 			c.mu.Lock()
-			defer c.mu.Unlock()
-			if ref.refs--; ref.refs == 0 {
+			ref.refs--
+			last := ref.refs == 0
+			if last && c.conns[o] == ref {
 				delete(c.conns, o)
+			}
+			c.mu.Unlock()
+			if last {
 				ref.conn.Shutdown()
 			}
 		})

@@ -390,3 +390,36 @@ func TestConnectionShared(t *testing.T) {
 		}
 	}
 }
+
+// A connect that hangs until the monitor timeout (here: no monitor
+// listens) does not hold up connects for other identities: the
+// provisioner retrying a wrong key must not stall every other volume.
+func TestSlowConnectBlocksOnlyItself(t *testing.T) {
+	spec := newImage(t, "8M")
+	cl := NewClusters()
+	dead := ceph.Options{MonHost: "127.0.0.1:1", OpTimeout: 10 * time.Second}
+	deadDone := make(chan error, 1)
+	go func() {
+		_, err := Open(cl, dead, spec, OpenOptions{})
+		deadDone <- err
+	}()
+	time.Sleep(500 * time.Millisecond) // its connect is under way
+	start := time.Now()
+	im, err := Open(cl, opts(), spec, OpenOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	im.Close()
+	took := time.Since(start)
+	select {
+	case err := <-deadDone:
+		t.Fatalf("the live open waited for the dead monitor's connect to end (%v)", err)
+	default:
+	}
+	if took > 8*time.Second {
+		t.Errorf("open on the live cluster took %v behind a hanging connect", took)
+	}
+	if err := <-deadDone; err == nil {
+		t.Error("open with no monitor succeeded")
+	}
+}
