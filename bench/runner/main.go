@@ -66,6 +66,7 @@ func main() {
 	rounds := flag.Int("rounds", envInt("BENCH_ROUNDS", 2), "rounds (server order rotates)")
 	size := flag.String("size", "1G", "export size")
 	only := flag.String("only", os.Getenv("BENCH_JOBS"), "comma-separated job names (default all)")
+	pick := flag.String("servers", os.Getenv("BENCH_SERVERS"), "comma-separated contenders (default all; the baseline always runs)")
 	rerender := flag.String("report", "", "re-render the report from this results.json instead of running")
 	suiteName := flag.String("suite", "nbd", "nbd: against nbdkit on memory; rbd: against direct librbd on a dev Ceph cluster")
 	flag.Parse()
@@ -77,7 +78,10 @@ func main() {
 	if *jobsDir == "" {
 		*jobsDir = st.jobsDir
 	}
-	servers := st.servers
+	servers, err := pickServers(st.servers, st.baseline, *pick)
+	if err != nil {
+		log.Fatal(err)
+	}
 	jobs, err := listJobs(*jobsDir, *only)
 	if err != nil {
 		log.Fatal(err)
@@ -372,4 +376,32 @@ func boxCPU() (cpuTimes, error) {
 	}
 	busy := t[0] + t[1] + t[2] + t[5] + t[6] + t[7]
 	return cpuTimes{busy: busy / 100, all: (busy + t[3] + t[4]) / 100}, nil
+}
+
+// pickServers keeps the contenders named in list (all when it is empty),
+// and the baseline, which every ratio needs.
+func pickServers(all []server, baseline, list string) ([]server, error) {
+	if list == "" {
+		return all, nil
+	}
+	want := map[string]bool{baseline: true}
+	for _, n := range strings.Split(list, ",") {
+		want[strings.TrimSpace(n)] = true
+	}
+	var out []server
+	for _, s := range all {
+		if want[s.Name] {
+			out = append(out, s)
+			delete(want, s.Name)
+		}
+	}
+	if len(want) > 0 {
+		var names []string
+		for n := range want {
+			names = append(names, n)
+		}
+		slices.Sort(names)
+		return nil, fmt.Errorf("-servers: no contender named %s", strings.Join(names, ", "))
+	}
+	return out, nil
 }

@@ -29,7 +29,7 @@ func newSuite(name, bin string) (*suite, error) {
 	switch name {
 	case "nbd":
 		t := target{MinIOPS: 1.0, MaxCPU: 0.7}
-		return &suite{
+		st := &suite{
 			title:    "NBD server vs nbdkit: fio `nbd` engine over a unix socket, 1 GiB memory export",
 			jobsDir:  "bench/jobs",
 			baseline: "nbdkit-memory",
@@ -41,7 +41,13 @@ func newSuite(name, bin string) (*suite, error) {
 			targets:  map[string]target{"randread-4k-qd32": t, "randwrite-4k-qd32": t, "read-1m-qd8": t, "write-1m-qd8": t},
 			setup:    func(string, string) ([]string, error) { return os.Environ(), nil },
 			teardown: func() {},
-		}, nil
+		}
+		if alt := os.Getenv("BENCH_ALT_BIN"); alt != "" {
+			st.servers = append(st.servers, server{"alt", func(s, sz string) []string {
+				return []string{alt, "serve", "--socket", s, "mem:" + sz}
+			}, nbdFio, true})
+		}
+		return st, nil
 	case "rbd":
 		return rbdSuite(bin, os.Getenv("BENCH_ALT_BIN")), nil
 	}
