@@ -21,6 +21,7 @@ import (
 
 	"github.com/rbd-nbd-go/rbd-nbd-go/attach"
 	"github.com/rbd-nbd-go/rbd-nbd-go/control"
+	"github.com/rbd-nbd-go/rbd-nbd-go/internal/sysmon"
 	"github.com/rbd-nbd-go/rbd-nbd-go/kernel"
 	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
 	"github.com/rbd-nbd-go/rbd-nbd-go/rbdio"
@@ -94,6 +95,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		}
 	}
 	protectFromReclaim(log)
+	sysmon.Setup(log)
 	ctl, err := kernel.Open(cfg.Module)
 	if err != nil {
 		return err

@@ -16,6 +16,7 @@ import (
 
 	"github.com/rbd-nbd-go/rbd-nbd-go/backend"
 	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
+	"github.com/rbd-nbd-go/rbd-nbd-go/internal/sysmon"
 	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
 	"github.com/rbd-nbd-go/rbd-nbd-go/rbdio"
 )
@@ -106,6 +107,7 @@ func runServe(ctx context.Context, log *slog.Logger, o serveOpts, spec string) e
 	if o.zeroCopy {
 		zc = nbd.ZeroCopyUnix
 	}
+	sysmon.Setup(log)
 	srv := nbd.NewServer(nbd.Config{Logger: log, ZeroCopy: zc})
 	if err := srv.AddExport(nbd.Export{Name: o.name, Description: dev.Describe,
 		Backend: dev.Backend, ReadOnly: o.readOnly}); err != nil {

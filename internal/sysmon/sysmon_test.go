@@ -1,0 +1,117 @@
+package sysmon
+
+import (
+	"os"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// load keeps the scheduler the way an NBD server does: a goroutine
+// blocked in read(2) outside the poller, woken every 100 µs by another
+// that sleeps in between, so Ps go idle and come back all the time and
+// sysmon keeps polling.
+func load(t *testing.T) (stop func()) {
+	var p [2]int
+	if err := unix.Pipe2(p[:], unix.O_CLOEXEC); err != nil {
+		t.Fatal(err)
+	}
+	var done atomic.Bool
+	go func() {
+		b := make([]byte, 1)
+		for !done.Load() {
+			syscall.Read(p[0], b)
+		}
+	}()
+	go func() {
+		for !done.Load() {
+			syscall.Write(p[1], []byte{1})
+			time.Sleep(100 * time.Microsecond)
+		}
+		syscall.Write(p[1], []byte{1})
+	}()
+	return func() {
+		done.Store(true)
+		time.Sleep(10 * time.Millisecond)
+		unix.Close(p[0])
+		unix.Close(p[1])
+	}
+}
+
+// switches is thread tid's voluntary context switches so far.
+func switches(t *testing.T, tid int) int {
+	b, err := os.ReadFile("/proc/self/task/" + strconv.Itoa(tid) + "/status")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, "voluntary_ctxt_switches:"); ok {
+			n, _ := strconv.Atoi(strings.TrimSpace(v))
+			return n
+		}
+	}
+	t.Fatal("no voluntary_ctxt_switches")
+	return 0
+}
+
+// TestRelax: the thread found is the one that sleeps in nanosleep (Go's
+// usleep is nanosleep; nothing else of the runtime's sleeps that way
+// under this load), and with the slack it wakes far less often.
+func TestRelax(t *testing.T) {
+	if runtime.GOOS != "linux" {
+		t.Skip("linux only")
+	}
+	stop := load(t)
+	defer stop()
+	tid, err := thread()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Which thread sits in nanosleep, sampled.
+	inSleep := map[string]int{}
+	want := strconv.Itoa(unix.SYS_NANOSLEEP) + " "
+	for range 200 {
+		ts, _ := os.ReadDir("/proc/self/task")
+		for _, e := range ts {
+			if b, err := os.ReadFile("/proc/self/task/" + e.Name() + "/syscall"); err == nil && strings.HasPrefix(string(b), want) {
+				inSleep[e.Name()]++
+			}
+		}
+		time.Sleep(time.Millisecond)
+	}
+	best := ""
+	for k, n := range inSleep {
+		if best == "" || n > inSleep[best] {
+			best = k
+		}
+	}
+	if best != strconv.Itoa(tid) {
+		t.Fatalf("thread() found %d, but the thread seen in nanosleep is %q (samples %v)", tid, best, inSleep)
+	}
+	rate := func() float64 {
+		s0, t0 := switches(t, tid), time.Now()
+		time.Sleep(300 * time.Millisecond)
+		return float64(switches(t, tid)-s0) / time.Since(t0).Seconds()
+	}
+	before := rate()
+	old, _ := os.ReadFile("/proc/" + strconv.Itoa(tid) + "/timerslack_ns")
+	got, err := Relax(DefaultSlack)
+	if os.IsPermission(err) {
+		t.Skipf("setting another thread's timer slack needs CAP_SYS_NICE: %v", err)
+	}
+	if err != nil || got != tid {
+		t.Fatalf("Relax: %d, %v", got, err)
+	}
+	defer os.WriteFile("/proc/"+strconv.Itoa(tid)+"/timerslack_ns", old, 0)
+	after := rate()
+	t.Logf("sysmon (thread %d) woke %.0f times a second, %.0f with %v of timer slack", tid, before, after, DefaultSlack)
+	if after > 1.5/DefaultSlack.Seconds() || after > before/2 {
+		t.Errorf("sysmon woke %.0f times a second with the slack, %.0f without", after, before)
+	}
+}
