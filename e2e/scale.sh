@@ -7,7 +7,8 @@
 #   "ours ours16 ceph": rbd-nbd-go with the default connections (one per
 #   vCPU) and with 16, and Ceph's rbd-nbd; "alt" and "alt16" are the same
 #   for the build in BENCH_ALT_BIN, for A/B in one run; BENCH_SCALE_AFTER
-#   seconds to wait after the last unmap (60))
+#   seconds to wait after the last unmap (60); BENCH_SCALE_KEEP_TRACE=1 keeps
+#   the nbd trace of every run, not only of one with a kernel timeout)
 . "$(dirname "$0")/lib.sh" # B, work, and cluster(): CEPH_CONF, $mon, $work/admin.key
 out=${1:-/vm-out/scale}
 mkdir -p "$out"
@@ -77,6 +78,20 @@ stats() { sort -n | awk '{a[NR] = $1} END {printf "%d %d", a[int((NR + 1) / 2)],
 # every device of the biggest run.
 { d=$($B map mem:4M) && $B unmap "$d"; pkill -f "$B daemon"; sleep 1; } || { echo "scale: cannot load nbd"; exit 1; }
 
+# The nbd driver's tracepoints (request sent, reply header received),
+# kept per contender when the kernel timed a request out: they tell a
+# reply that came late from one that came and was not read.
+tr=/sys/kernel/tracing
+{ [ -d $tr/events ] || mount -t tracefs nodev $tr; } 2>/dev/null
+if [ -d $tr/events/nbd ]; then
+	echo 8192 >$tr/buffer_size_kb
+	echo 1 >$tr/events/nbd/enable
+	echo "scale: tracing the nbd driver's events"
+else
+	tr=
+	echo "scale: no nbd tracepoints: a timeout will have only dmesg"
+fi
+
 printf '| N | contender | Pss MiB | Rss MiB | threads | procs | map ms (median/max) | unmap ms (median/max) | start-up Pss MiB | Pss MiB %ss after unmap | threads after |\n' "${BENCH_SCALE_AFTER:-60}" >"$out/scale.md"
 printf '|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n' >>"$out/scale.md"
 for n in $ns; do
@@ -93,6 +108,7 @@ for n in $ns; do
 			diag "$c" >"$out/diag-start-$n-$c.txt"
 		fi
 		dmesg -C
+		[ -n "$tr" ] && : >$tr/trace
 		: >"$work/map.ms"; : >"$work/unmap.ms"; devs=()
 		for i in $(seq 1 "$n"); do
 			t0=$(date +%s%N)
@@ -129,6 +145,9 @@ for n in $ns; do
 		# All of it: a timeout's neighbours ("Receive control failed",
 		# "Unexpected reply") say what the kernel did next.
 		dmesg >"$out/dmesg-$n-$c.txt"
+		if [ -n "$tr" ] && { grep -q "timed out" "$out/dmesg-$n-$c.txt" || [ -n "${BENCH_SCALE_KEEP_TRACE:-}" ]; }; then
+			cp $tr/trace "$out/trace-$n-$c.txt"
+		fi
 	done
 done
 scripts/ceph-dev-cluster stop "$work/ceph" >/dev/null 2>&1
