@@ -17,6 +17,12 @@
 // timer of Go's or librbd's moves. What sysmon does becomes up to 1 ms
 // later: retaking the P of a long system call (the daemon keeps spare Ps,
 // so work never waits for one) and the 10 ms preemption and network poll.
+//
+// Measured, kernel NBD in the project's TCG VM at 4k QD32 (CPU of the
+// serving process per I/O against Ceph's rbd-nbd, medians over three
+// runs with rbd-nbd in each): no slack 1.25x (reads) and 1.26x (writes),
+// 1 ms 1.07x and 1.08x, 4 ms 1.11x and 1.07x. Rounds swing by 40 %
+// there; 1 and 4 ms cannot be told apart, and 1 ms changes sysmon less.
 package sysmon
 
 import (
