@@ -101,7 +101,12 @@ func TestRelax(t *testing.T) {
 	}
 	before := rate()
 	old, _ := os.ReadFile("/proc/" + strconv.Itoa(tid) + "/timerslack_ns")
-	got, err := Relax(DefaultSlack)
+	// A slack well above DefaultSlack, so that sysmon's timed rounds
+	// (at most 100 a second) stand out from the wake-ups no slack
+	// governs (a system call made while every P was idle wakes it at
+	// once), which a busy machine adds plenty of.
+	const slack = 10 * time.Millisecond
+	got, err := Relax(slack)
 	if os.IsPermission(err) {
 		t.Skipf("setting another thread's timer slack needs CAP_SYS_NICE: %v", err)
 	}
@@ -109,9 +114,12 @@ func TestRelax(t *testing.T) {
 		t.Fatalf("Relax: %d, %v", got, err)
 	}
 	defer os.WriteFile("/proc/"+strconv.Itoa(tid)+"/timerslack_ns", old, 0)
+	if b, _ := os.ReadFile("/proc/" + strconv.Itoa(tid) + "/timerslack_ns"); strings.TrimSpace(string(b)) != strconv.FormatInt(slack.Nanoseconds(), 10) {
+		t.Fatalf("thread %d's timer slack reads %q after Relax(%v)", tid, b, slack)
+	}
 	after := rate()
-	t.Logf("sysmon (thread %d) woke %.0f times a second, %.0f with %v of timer slack", tid, before, after, DefaultSlack)
-	if after > 1.5/DefaultSlack.Seconds() || after > before/2 {
+	t.Logf("sysmon (thread %d) woke %.0f times a second, %.0f with %v of timer slack", tid, before, after, slack)
+	if after > before*3/4 {
 		t.Errorf("sysmon woke %.0f times a second with the slack, %.0f without", after, before)
 	}
 }
