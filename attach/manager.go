@@ -289,6 +289,7 @@ func (m *Manager) UnmapCookie(target, cookie string) error {
 		return control.ErrNotMapped
 	}
 	path := filepath.Join(m.cfg.Dev, fmt.Sprintf("nbd%d", rec.Index))
+	t0 := time.Now()
 	if f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_EXCL, 0); err == nil {
 		// Push the device's page cache down before the sockets go.
 		f.Sync()
@@ -296,11 +297,18 @@ func (m *Manager) UnmapCookie(target, cookie string) error {
 	} else if errors.Is(err, syscall.EBUSY) {
 		return fmt.Errorf("%s: %w (mounted or held open)", rec.Device(), control.ErrBusy)
 	}
+	t1 := time.Now()
 	derr := m.cfg.Kernel.Disconnect(rec.Index)
+	t2 := time.Now()
 	serr := d.stopServing()
+	t3 := time.Now()
 	m.drop(rec.Index)
 	err = errors.Join(derr, serr, m.cfg.Store.Remove(rec.Index))
-	m.log.Info("unmapped", "device", rec.Device(), "spec", rec.Spec, "err", err)
+	// The phases' times say where a slow unmap waited: on the page
+	// cache, on the kernel, or on the backend's flush and close.
+	m.log.Info("unmapped", "device", rec.Device(), "spec", rec.Spec,
+		"sync", t1.Sub(t0).Round(time.Millisecond), "disconnect", t2.Sub(t1).Round(time.Millisecond),
+		"stop", t3.Sub(t2).Round(time.Millisecond), "err", err)
 	return err
 }
 

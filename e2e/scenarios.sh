@@ -294,7 +294,13 @@ scenario_k() { # many devices mapped and unmapped under load: no unmap waits for
 	done
 	read -r worst d < <(sort -n "$work/unmap-k.ms" | tail -1)
 	log "  $(wc -l <"$work/unmap-k.ms") unmaps, median $(sort -n "$work/unmap-k.ms" | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}') ms, worst $worst ms ($d)"
-	check "no unmap took over 5 s (worst $worst ms)" eval '[ "$worst" -le 5000 ]'
+	# Where the slowest one waited (page cache, kernel, backend close).
+	grep "msg=unmapped device=$d " /run/rbd-nbd-go/daemon.log | tail -1
+	# The bug this hunts: an unmap that sat out the kernel's 30-s request
+	# timeout (io-timeout 0 is the kernel's 30 s). How fast unmaps are is
+	# a benchmark's business, not this check's: under TCG with ten fio
+	# jobs running they take 1-5 s.
+	check "no unmap waited for the kernel's 30 s request timeout (worst $worst ms)" eval '[ "$worst" -lt 20000 ]'
 	dmesg > "$work/dmesg-k"
 	check "the kernel timed no request out" eval '! grep -E "timed out|Unexpected reply|I/O error" $work/dmesg-k'
 	# Where a slow request waited, if one did: the daemon's watchdog, the OSD.
