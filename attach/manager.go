@@ -279,6 +279,7 @@ func (m *Manager) Unmap(target string) error { return m.UnmapCookie(target, "") 
 // that looked the device up first cannot unmap another volume that took
 // its index meanwhile.
 func (m *Manager) UnmapCookie(target, cookie string) error {
+	start := time.Now()
 	d, err := m.lockTarget(target)
 	if err != nil {
 		return err
@@ -304,10 +305,11 @@ func (m *Manager) UnmapCookie(target, cookie string) error {
 	t3 := time.Now()
 	m.drop(rec.Index)
 	err = errors.Join(derr, serr, m.cfg.Store.Remove(rec.Index))
-	// The phases' times say where a slow unmap waited: on the page
-	// cache, on the kernel, or on the backend's flush and close.
+	// The phases' times say where a slow unmap waited: on the device's
+	// lock (took less the rest), on the page cache (the exclusive open
+	// and fsync), on the kernel, or on the backend's flush and close.
 	m.log.Info("unmapped", "device", rec.Device(), "spec", rec.Spec,
-		"sync", t1.Sub(t0).Round(time.Millisecond), "disconnect", t2.Sub(t1).Round(time.Millisecond),
+		"took", time.Since(start).Round(time.Millisecond), "sync", t1.Sub(t0).Round(time.Millisecond), "disconnect", t2.Sub(t1).Round(time.Millisecond),
 		"stop", t3.Sub(t2).Round(time.Millisecond), "err", err)
 	return err
 }

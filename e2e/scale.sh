@@ -145,11 +145,12 @@ for n in $ns; do
 		# All of it: a timeout's neighbours ("Receive control failed",
 		# "Unexpected reply") say what the kernel did next.
 		dmesg >"$out/dmesg-$n-$c.txt"
-		if [ -n "$tr" ] && { grep -q "timed out" "$out/dmesg-$n-$c.txt" || [ -n "${BENCH_SCALE_KEEP_TRACE:-}" ]; }; then
+		if [ -n "$tr" ] && { grep -q "timed out" "$out/dmesg-$n-$c.txt" || [ "${BENCH_SCALE_KEEP_TRACE:-}" = 1 ]; }; then
 			cp $tr/trace "$out/trace-$n-$c.txt"
 		fi
 	done
 done
+[ -n "$tr" ] && echo 0 >$tr/events/nbd/enable
 scripts/ceph-dev-cluster stop "$work/ceph" >/dev/null 2>&1
 # The chart: Pss and threads per contender and N, each panel relative to
 # Ceph's rbd-nbd (one process per device) at the same N.

@@ -144,6 +144,11 @@ func (im *Image) start(oo OpenOptions) error {
 		return err
 	}
 	im.ef = os.NewFile(uintptr(im.efd), "rbd-completions")
+	// The reaper waits in the netpoller (RawConn.Read); a file the
+	// poller refused would make every request hang, so refuse it here.
+	if err := im.ef.SetReadDeadline(time.Time{}); err != nil {
+		return fmt.Errorf("image %s: completion eventfd not pollable: %w", im.spec, err)
+	}
 	if err := im.img.initQueue(im.efd); err != nil {
 		return fmt.Errorf("image %s: completion queue: %w", im.spec, err)
 	}

@@ -12,11 +12,17 @@
 // and a context switch, 19 µs of CPU per I/O: a third of the Go side's.
 //
 // Linux rounds a thread's timer up by its timer slack. With 1 ms of slack
-// on sysmon alone, its rounds are at most a thousand a second and nothing
-// else changes: the runtime's other threads keep their own slack, and no
-// timer of Go's or librbd's moves. What sysmon does becomes up to 1 ms
-// later: retaking the P of a long system call (the daemon keeps spare Ps,
-// so work never waits for one) and the 10 ms preemption and network poll.
+// on sysmon, its rounds are at most a thousand a second. What sysmon does
+// becomes up to 1 ms later: retaking the P of a long system call (the
+// daemon keeps spare Ps, so work never waits for one) and the 10 ms
+// preemption and network poll. A new thread inherits its creator's
+// slack, and sysmon sometimes starts the thread that takes over a P it
+// retook; so some Go threads (and librados threads they start) carry the
+// slack too, and their timed waits may end up to 1 ms late. Nothing on
+// the I/O path is timed: requests and completions wake threads through
+// sockets, eventfds and futex wake-ups, which slack does not delay, and
+// the timeouts that are (seconds, in Go and in Ceph) do not notice a
+// millisecond. That is also why MaxSlack bounds what EnvSlack may ask.
 //
 // Measured, kernel NBD in the project's TCG VM at 4k QD32 (CPU of the
 // serving process per I/O against Ceph's rbd-nbd, medians over three
@@ -40,8 +46,15 @@ import (
 const DefaultSlack = time.Millisecond
 
 // EnvSlack names the environment variable that overrides DefaultSlack
-// for Setup: a Go duration, 0 to leave sysmon alone (for A/B runs).
+// for Setup: a Go duration up to MaxSlack, 0 to leave sysmon alone (for
+// A/B runs).
 const EnvSlack = "RBD_NBD_GO_SYSMON_SLACK"
+
+// MaxSlack is the most Setup gives: sysmon asleep for longer would stop
+// preempting goroutines and retaking Ps from blocked system calls in
+// time, and the threads that inherit the slack would wake late from
+// every timed wait.
+const MaxSlack = 10 * time.Millisecond
 
 // Setup relaxes sysmon for a process that serves I/O (the node daemon,
 // serve), with DefaultSlack or what EnvSlack says, and logs what it did.
@@ -50,8 +63,8 @@ func Setup(log *slog.Logger) {
 	slack := DefaultSlack
 	if v := os.Getenv(EnvSlack); v != "" {
 		d, err := time.ParseDuration(v)
-		if err != nil || d < 0 {
-			log.Warn("ignoring "+EnvSlack, "value", v)
+		if err != nil || d < 0 || d > MaxSlack {
+			log.Warn("ignoring "+EnvSlack+": not a duration from 0 to "+MaxSlack.String(), "value", v)
 		} else {
 			slack = d
 		}
@@ -64,7 +77,7 @@ func Setup(log *slog.Logger) {
 		log.Info("sysmon timer slack not set; costs CPU per request", "err", err)
 		return
 	}
-	log.Debug("sysmon timer slack set", "thread", tid, "slack", slack)
+	log.Info("sysmon timer slack set", "thread", tid, "slack", slack)
 }
 
 // Relax sets sysmon's timer slack to slack, returning sysmon's thread

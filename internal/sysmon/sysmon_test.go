@@ -1,6 +1,7 @@
 package sysmon
 
 import (
+	"log/slog"
 	"os"
 	"runtime"
 	"strconv"
@@ -121,5 +122,45 @@ func TestRelax(t *testing.T) {
 	t.Logf("sysmon (thread %d) woke %.0f times a second, %.0f with %v of timer slack", tid, before, after, slack)
 	if after > before*3/4 {
 		t.Errorf("sysmon woke %.0f times a second with the slack, %.0f without", after, before)
+	}
+}
+
+// TestSetupEnv: EnvSlack is obeyed within bounds; a value out of them is
+// refused in the log and the default is used, and 0 leaves sysmon alone.
+func TestSetupEnv(t *testing.T) {
+	tid, err := thread()
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := "/proc/" + strconv.Itoa(tid) + "/timerslack_ns"
+	old, _ := os.ReadFile(path)
+	defer os.WriteFile(path, old, 0)
+	for _, c := range []struct {
+		env, want string
+		warn      bool
+	}{
+		{"2ms", "2000000", false},
+		{"1h", "1000000", true},     // above MaxSlack: the default
+		{"-1ms", "1000000", true},   // negative
+		{"1000", "1000000", true},   // no unit
+		{"0", "50000", false},       // left alone
+		{"10ms", "10000000", false}, // MaxSlack itself
+	} {
+		if c.env == "0" {
+			os.WriteFile(path, []byte("50000"), 0) // Go's default
+		}
+		t.Setenv(EnvSlack, c.env)
+		var logged strings.Builder
+		Setup(slog.New(slog.NewTextHandler(&logged, nil)))
+		b, _ := os.ReadFile(path)
+		if strings.Contains(logged.String(), "permission denied") {
+			t.Skip("setting another thread's timer slack needs CAP_SYS_NICE")
+		}
+		if got := strings.TrimSpace(string(b)); got != c.want {
+			t.Errorf("%s=%s: slack %s, want %s (log %q)", EnvSlack, c.env, got, c.want, logged.String())
+		}
+		if warned := strings.Contains(logged.String(), "ignoring"); warned != c.warn {
+			t.Errorf("%s=%s: warned %v, want %v (log %q)", EnvSlack, c.env, warned, c.warn, logged.String())
+		}
 	}
 }
