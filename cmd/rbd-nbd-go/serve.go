@@ -107,7 +107,6 @@ func runServe(ctx context.Context, log *slog.Logger, o serveOpts, spec string) e
 	if o.zeroCopy {
 		zc = nbd.ZeroCopyUnix
 	}
-	sysmon.Setup(log)
 	srv := nbd.NewServer(nbd.Config{Logger: log, ZeroCopy: zc})
 	if err := srv.AddExport(nbd.Export{Name: o.name, Description: dev.Describe,
 		Backend: dev.Backend, ReadOnly: o.readOnly}); err != nil {
@@ -117,6 +116,8 @@ func runServe(ctx context.Context, log *slog.Logger, o serveOpts, spec string) e
 	if err != nil {
 		return err
 	}
+	// Only once there is something to serve: misuse stays one line.
+	sysmon.Setup(log)
 	if ctx == nil {
 		ctx = context.Background()
 	}
