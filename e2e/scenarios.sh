@@ -86,7 +86,7 @@ scenario_e() { # kill -9 the daemon mid-fio; ceph-csi's attach; no errors
 	rbd create --size 256M rbd/vol-e
 	local dev pid
 	check "map" eval 'dev=$(csi_map rbd/vol-e vol-e-cookie --connections 2) && [ -b "$dev" ]'
-	fio_run "$work/fio-e.out" "$dev" 32M --iodepth=16 --loops=2 &
+	fio_run "$work/fio-e.out" "$dev" 32M --iodepth=16 &
 	local fiopid=$!
 	sleep 4
 	pid=$(cat /run/rbd-nbd-go/daemon.lock)

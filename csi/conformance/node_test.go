@@ -235,7 +235,9 @@ func TestOnlineExpand(t *testing.T) {
 			r.attach()
 			target := r.publish("a", false)
 			before := fsSize(t, target)
-			f := fio(t, filepath.Join(target, "f"), "32M", "--loops=2")
+			// One pass (about a minute under TCG) outlasts the expand
+			// (seconds); the running() check below says if it ever did not.
+			f := fio(t, filepath.Join(target, "f"), "32M")
 			time.Sleep(2 * time.Second)
 			resp, err := r.cc.ControllerExpandVolume(r.ctx, &csi.ControllerExpandVolumeRequest{VolumeId: r.vol.VolumeId,
 				CapacityRange: &csi.CapacityRange{RequiredBytes: 640 << 20}, VolumeCapability: r.cap, Secrets: secrets()})
@@ -285,7 +287,10 @@ func TestRestartSurvival(t *testing.T) {
 			r.create("pvc-restart-"+strings.ReplaceAll(sig.String(), " ", ""), 256<<20, fsCap("ext4", rwo))
 			r.attach()
 			target := r.publish("a", false)
-			f := fio(t, filepath.Join(target, "f"), "32M", "--loops=3")
+			// One pass of writes then verify: the I/O stalls while the plugin is
+			// down, so fio is still writing when it is back, and every block
+			// written before, during and after the restart is read back.
+			f := fio(t, filepath.Join(target, "f"), "32M")
 			stop := make(chan struct{})
 			stall := make(chan time.Duration, 1)
 			werr := make(chan error, 1)
