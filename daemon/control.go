@@ -16,8 +16,9 @@ import (
 )
 
 // Serve answers control requests on l until ctx ends: one JSON request,
-// one JSON response per connection.
-func Serve(ctx context.Context, l net.Listener, m *attach.Manager, log *slog.Logger) error {
+// one JSON response per connection. serving, if not nil, is called as a
+// map or attach request starts and what it returns once it is over.
+func Serve(ctx context.Context, l net.Listener, m *attach.Manager, log *slog.Logger, serving func() (done func())) error {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
@@ -40,6 +41,9 @@ func Serve(ctx context.Context, l net.Listener, m *attach.Manager, log *slog.Log
 				return
 			}
 			c.SetReadDeadline(time.Time{})
+			if serving != nil && (req.Op == control.OpMap || req.Op == control.OpAttach) {
+				defer serving()()
+			}
 			resp := handle(m, req)
 			resp.PID = os.Getpid()
 			json.NewEncoder(c).Encode(resp)

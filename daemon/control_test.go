@@ -88,7 +88,7 @@ func TestControlSocket(t *testing.T) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	go Serve(ctx, l, m, nil)
+	go Serve(ctx, l, m, nil, nil)
 	if fi, _ := os.Stat(control.SocketPath(dir)); fi.Mode().Perm() != 0o600 {
 		t.Fatalf("control socket mode %v", fi.Mode())
 	}

@@ -127,9 +127,11 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		}()
 	}
 	// Memory back to the system a few seconds after devices go away.
-	go giveBack(ctx, 5*time.Second, func() int { return len(m.List()) }, func() {
+	sched := newProcs()
+	devices := func() int { return len(m.List()) }
+	go giveBack(ctx, 5*time.Second, devices, func() {
 		t0 := time.Now()
-		releaseMemory(rbdio.ReleaseFreeMemory)
+		releaseMemory(sched, devices, rbdio.ReleaseFreeMemory)
 		log.Info("memory given back", append(append([]any{"took", time.Since(t0).Round(time.Millisecond)}, goMemory()...), rbdio.CMemory()...)...)
 	})
 	log.Info("serving NBD devices", "pid", os.Getpid(), "kernel", ctl.Name(), "state", cfg.StateDir,
@@ -137,7 +139,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	fmt.Fprintln(ready, control.ReadyOK)
 	ready.Close()
 	readied = true
-	serr := Serve(ctx, l, m, log)
+	serr := Serve(ctx, l, m, log, sched.serving)
 	log.Info("stopping; devices stay mapped for the next daemon")
 	return errors.Join(serr, m.Close())
 }

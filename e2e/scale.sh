@@ -8,7 +8,9 @@
 #   vCPU) and with 16, and Ceph's rbd-nbd; "alt" and "alt16" are the same
 #   for the build in BENCH_ALT_BIN, for A/B in one run; BENCH_SCALE_AFTER
 #   seconds to wait after the last unmap (60); BENCH_SCALE_KEEP_TRACE=1 keeps
-#   the nbd trace of every run, not only of one with a kernel timeout)
+#   the nbd trace of every run, not only of one with a kernel timeout;
+#   BENCH_SCALE_DUMP=1 ends each daemon of ours with SIGQUIT, so its log
+#   ends with every goroutine's stack)
 . "$(dirname "$0")/lib.sh" # B, work, and cluster(): CEPH_CONF, $mon, $work/admin.key
 out=${1:-/vm-out/scale}
 mkdir -p "$out"
@@ -64,6 +66,10 @@ diag() { # where one contender's memory and threads go (its first process)
 	grep THP_enabled /proc/$p/status
 	echo "threads by name:"
 	cat /proc/$p/task/*/comm | sort | uniq -c | sort -rn
+	echo "threads by name, system call number and wait channel (running if none):"
+	for t in /proc/$p/task/*; do
+		echo "$(cat $t/comm) $(cut -d' ' -f1 $t/syscall 2>/dev/null) $(cat $t/wchan 2>/dev/null)"
+	done | sort | uniq -c | sort -rn
 	echo "largest mappings by Pss (KiB):"
 	awk '/^[0-9a-f]+-[0-9a-f]+ / {name = $6 ? $6 : "[anon]"} /^Pss:/ {pss[name] += $2} END {for (n in pss) print pss[n], n}' /proc/$p/smaps | sort -rn | head -15
 	echo "anonymous mappings with Pss >= 128 KiB (start, size KiB, Pss KiB):"
@@ -133,6 +139,8 @@ for n in $ns; do
 			diag "$c" >"$out/diag-after-$n-$c.txt"
 			# Where a request waited, if one was slow (the daemon's watchdog).
 			grep -E "slow request|not read" "$(state "$c" | cut -d' ' -f1)/daemon.log" >"$out/slow-$n-$c.txt" 2>/dev/null
+			# Every goroutine's stack into the log (SIGQUIT ends the daemon).
+			[ "${BENCH_SCALE_DUMP:-0}" = 1 ] && { kill -QUIT "$(pids "$c")"; sleep 2; }
 			cp "$(state "$c" | cut -d' ' -f1)/daemon.log" "$out/daemon-$n-$c.log" 2>/dev/null
 			pkill -f "daemon --state-dir $(state "$c" | cut -d' ' -f1)( |$)"
 			sleep 1
