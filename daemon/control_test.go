@@ -7,7 +7,9 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -88,7 +90,10 @@ func TestControlSocket(t *testing.T) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	go Serve(ctx, l, m, nil, nil)
+	// The scheduler widens for map and attach requests only, and hears
+	// when each is over.
+	var started, over atomic.Int32
+	go Serve(ctx, l, m, nil, func() func() { started.Add(1); return func() { over.Add(1) } })
 	if fi, _ := os.Stat(control.SocketPath(dir)); fi.Mode().Perm() != 0o600 {
 		t.Fatalf("control socket mode %v", fi.Mode())
 	}
@@ -132,5 +137,11 @@ func TestControlSocket(t *testing.T) {
 	resp, _ = c.Call(ctx, control.Request{Op: control.OpMap, Record: &bad}, false)
 	if err := resp.Err(); err == nil || !strings.Contains(err.Error(), "connections 99") {
 		t.Fatalf("daemon accepted a bad record: %v", err)
+	}
+	for i := 0; i < 200 && over.Load() < 2; i++ { // done runs after the response is sent
+		time.Sleep(10 * time.Millisecond)
+	}
+	if started.Load() != 2 || over.Load() != 2 {
+		t.Fatalf("serving hook: %d started and %d over, want 2 each (the two map requests)", started.Load(), over.Load())
 	}
 }

@@ -45,6 +45,10 @@ type Config struct {
 	// MemoryBudget bounds payload bytes in flight over every device
 	// (attach.Config.MemoryBudget).
 	MemoryBudget int
+	// IdleProcs is the scheduler's width while no device is served
+	// (procs); 0 means one P per CPU. The width while serving is the
+	// GOMAXPROCS the daemon starts with.
+	IdleProcs int
 }
 
 // Run serves until ctx ends. A daemon that finds another one holding
@@ -127,7 +131,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		}()
 	}
 	// Memory back to the system a few seconds after devices go away.
-	sched := newProcs()
+	sched := newProcs(cfg.IdleProcs)
 	devices := func() int { return len(m.List()) }
 	go giveBack(ctx, 5*time.Second, devices, func() {
 		t0 := time.Now()

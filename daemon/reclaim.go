@@ -79,7 +79,7 @@ func releaseMemory(p *procs, devices func() int, freeC func()) {
 	runtime.GC()
 	time.Sleep(releasePause)
 	debug.FreeOSMemory()
-	endIdleThreads(min(width, runtime.NumCPU()) + spareThreads)
+	endIdleThreads(width + spareThreads)
 	time.Sleep(threadExitPause)
 	if freeC != nil {
 		freeC()
@@ -106,9 +106,16 @@ type procs struct {
 	pending    int // map and attach requests under way
 }
 
-func newProcs() *procs {
+// newProcs: busy is the width the daemon started with; idle, if not
+// between 1 and busy, one P per CPU. (runtime.NumCPU counts the CPUs
+// the process may run on, not a cgroup's CPU limit, which only the
+// runtime's default GOMAXPROCS reflects: cmd passes that.)
+func newProcs(idle int) *procs {
 	busy := runtime.GOMAXPROCS(0)
-	return &procs{busy: busy, idle: min(busy, runtime.NumCPU())}
+	if idle < 1 || idle > busy {
+		idle = min(busy, runtime.NumCPU())
+	}
+	return &procs{busy: busy, idle: idle}
 }
 
 // serving widens the scheduler for a device about to be served; the
@@ -126,25 +133,27 @@ func (p *procs) serving() (done func()) {
 	}
 }
 
-// settle frees the stacks of ended goroutines and returns the width it
-// leaves: narrow if no device is served and none is being mapped. The
-// runtime keeps up to 64 ended goroutines on each P's free list, with
-// their stacks, for reuse, and a collection frees only the stacks on
-// the global list: with 8 Ps and the two goroutines of each of hundreds
-// of connections gone, the VM showed 2.5 MiB of goroutine stacks after
-// the last unmap with 6 goroutines alive. Shrinking GOMAXPROCS to one
-// destroys every P but the first, which hands its list to the global
-// one (the runtime's procresize, one stop-the-world each way).
+// settle returns the width a release leaves: narrow, with the stacks of
+// ended goroutines freed, if no device is served and none is being
+// mapped; else the busy width, untouched (no stop-the-world while
+// devices do I/O; their goroutines reuse those stacks). The runtime
+// keeps up to 63 ended goroutines on each P's free list, with their
+// stacks, for reuse, and a collection frees only the stacks on the
+// global list: with 8 Ps and the two goroutines of each of hundreds of
+// connections gone, the VM showed 2.5 MiB of goroutine stacks after the
+// last unmap with 6 goroutines alive. Shrinking GOMAXPROCS to one
+// destroys every P but one, which hand their lists to the global one
+// (the runtime's procresize, one stop-the-world each way; the list of
+// the P left stays).
 func (p *procs) settle(devices func() int) int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	w := p.busy
-	if p.pending == 0 && devices() == 0 {
-		w = p.idle
+	if p.pending > 0 || devices() > 0 {
+		return p.busy
 	}
 	runtime.GOMAXPROCS(1)
-	runtime.GOMAXPROCS(w)
-	return w
+	runtime.GOMAXPROCS(p.idle)
+	return p.idle
 }
 
 // giveBack calls release once the number of devices has dropped and
@@ -171,7 +180,7 @@ func giveBack(ctx context.Context, tick time.Duration, devices func() int, relea
 	}
 }
 
-// spareThreads is how many Go threads beyond one per CPU endIdleThreads
+// spareThreads is how many Go threads beyond one per P endIdleThreads
 // keeps: sysmon and the template thread, which never run goroutines.
 // None for the next burst: the runtime makes a thread in tens of
 // microseconds, and an idle one keeps every stack page its busiest

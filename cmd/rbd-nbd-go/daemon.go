@@ -20,7 +20,7 @@ import (
 
 // newDaemon is the node daemon's hidden command (control.Client starts
 // it); the daemon itself lives in package daemon.
-func newDaemon(g *globalOpts) *cobra.Command {
+func newDaemon(g *globalOpts, procs int) *cobra.Command {
 	var mod kernel.ModuleOptions
 	readyFD := -1
 	budget := os.Getenv(memoryBudgetEnv)
@@ -51,7 +51,7 @@ func newDaemon(g *globalOpts) *cobra.Command {
 			defer stop()
 			signal.Ignore(syscall.SIGHUP, syscall.SIGPIPE)
 			err = daemon.Run(ctx, daemon.Config{StateDir: g.stateDir, Module: mod, Log: logger(g.logLevel),
-				Ready: ready, MemoryBudget: int(b),
+				Ready: ready, MemoryBudget: int(b), IdleProcs: procs,
 				// Test and development hooks.
 				KernelInterface: os.Getenv("RBD_NBD_GO_KERNEL_INTERFACE"),
 				CPUProfile:      os.Getenv("RBD_NBD_GO_CPU_PROFILE")})

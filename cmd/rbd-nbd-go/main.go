@@ -28,8 +28,7 @@ var version = "dev"
 const exitNotMapped = 3
 
 func main() {
-	spareProcs()
-	if err := newRoot().Execute(); err != nil {
+	if err := newRoot(spareProcs()).Execute(); err != nil {
 		var ee *exitError
 		if errors.As(err, &ee) {
 			if ee.msg != "" {
@@ -42,7 +41,9 @@ func main() {
 	}
 }
 
-func newRoot() *cobra.Command {
+// newRoot builds the commands; procs is the scheduler's width before
+// spareProcs added spares (the daemon's width when it serves nothing).
+func newRoot(procs int) *cobra.Command {
 	root := &cobra.Command{
 		Use:           "rbd-nbd-go",
 		Short:         "Userspace NBD server for Ceph RBD and local devices",
@@ -52,7 +53,7 @@ func newRoot() *cobra.Command {
 	}
 	g := &globalOpts{}
 	addGlobalFlags(root.PersistentFlags(), g)
-	root.AddCommand(newServe(g), newMap(g), newAttach(g), newUnmap(g), newDetach(g), newListMapped(g), newDaemon(g),
+	root.AddCommand(newServe(g), newMap(g), newAttach(g), newUnmap(g), newDetach(g), newListMapped(g), newDaemon(g, procs),
 		newCSI(g, version), newLiveness(g))
 	return root
 }
@@ -100,11 +101,15 @@ List options:
 // returns to it. Measured on the 2-CPU box at 4k random reads QD32
 // through librbd: 2 Ps → 8 Ps cut context switches per I/O by a quarter
 // and server CPU per I/O by 15% (IOPS +10-20%). Spare Ps cost nothing
-// while idle.
-func spareProcs() {
-	if os.Getenv("GOMAXPROCS") != "" {
-		return
-	}
+// while idle (but for collections, which wake a thread per idle P: the
+// daemon narrows back to the width returned here when it serves no
+// device). The width returned is the runtime's own choice, which counts
+// a cgroup CPU limit, or what GOMAXPROCS says.
+func spareProcs() int {
 	n := runtime.GOMAXPROCS(0)
+	if os.Getenv("GOMAXPROCS") != "" {
+		return n
+	}
 	runtime.GOMAXPROCS(max(2*n, n+6))
+	return n
 }
