@@ -63,12 +63,15 @@ type conn struct {
 
 	// For the watchdog: requests read so far, whether the reader is
 	// parked, and (watchdog goroutine only) for how many ticks the
-	// socket has held unread bytes while no request was read.
+	// socket has held unread bytes while no request was read, and for
+	// how many the same bytes of our replies have sat unread by the peer.
 	nread       atomic.Uint64
 	parked      atomic.Bool
 	lastRead    uint64
 	unreadTicks uint32
 	unread      int
+	stuckTicks  uint32
+	outq        int
 }
 
 // connSlots is how many requests' worth of queues a connection starts

@@ -148,6 +148,36 @@ func TestSlowRequestLogged(t *testing.T) {
 	}
 }
 
+// Replies the client never reads (the kernel's receive work for a
+// socket not running) are reported, once; replies it reads are not.
+func TestUnreadReplyLogged(t *testing.T) {
+	var logs syncBuffer
+	sh := NewShared(0)
+	sh.dog.every = 20 * time.Millisecond
+	s := NewServer(Config{Shared: sh, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	s.AddExport(Export{Backend: Inline(newFlat(1 << 20))})
+	t.Cleanup(func() { s.Shutdown(context.Background()) })
+	busy, quiet := &tclient{t: t}, &tclient{t: t}
+	for _, c := range []*tclient{busy, quiet} {
+		a, b := socketpair(t)
+		go s.ServeNegotiated(a, "")
+		c.c, c.br = b, bufio.NewReader(b)
+		t.Cleanup(func() { b.Close() })
+		b.SetDeadline(time.Now().Add(30 * time.Second))
+	}
+	quiet.send(cmdRead, 0, 1, 0, 4096, nil) // its reply is never read, for now
+	for i := range 2 * (slowAfter + 3) {
+		busy.send(cmdRead, 0, uint64(i), 0, 4096, nil)
+		busy.recv(4096)
+		time.Sleep(sh.dog.every / 2)
+	}
+	got := logs.String()
+	if n := strings.Count(got, `msg="nbd: peer has not read our replies"`); n != 1 {
+		t.Fatalf("want one unread-reply line (the quiet connection's), got %d:\n%s", n, got)
+	}
+	quiet.recv(4096)
+}
+
 // A request the client sent that the server never reads (here: its
 // reader is stuck in a Submit that does not return) is reported, once:
 // the kernel would time it out with nothing in flight on our side, so

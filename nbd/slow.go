@@ -139,10 +139,20 @@ func (c *conn) slowDone(r *Request) slowDone {
 // did not read while no request was read (watchdog goroutine only, under
 // wd.mu, which serve's remove takes before the descriptor is closed).
 func (c *conn) sampleUnread() {
-	n := 0
+	n, out := 0, 0
 	if c.w.fd >= 0 {
 		n, _ = unix.IoctlGetInt(c.w.fd, unix.SIOCINQ)
+		out, _ = unix.IoctlGetInt(c.w.fd, unix.SIOCOUTQ)
 	}
+	// Replies the peer has not read: the same bytes still queued a tick
+	// later. (A peer that reads drains them, or they change as replies
+	// come and go; a stuck one keeps them, or fills up and keeps that.)
+	if out > 0 && out == c.outq {
+		c.stuckTicks++
+	} else {
+		c.stuckTicks = 0
+	}
+	c.outq = out
 	read := c.nread.Load()
 	if n <= 0 || read != c.lastRead {
 		c.lastRead, c.unreadTicks, c.unread = read, 0, 0
@@ -158,6 +168,18 @@ func (c *conn) sampleUnread() {
 // reader stuck before its next read), which the slow-request lines
 // cannot show.
 func (c *conn) reportUnread(wd *watchdog, inFlight int) {
+	if c.stuckTicks == wd.after {
+		// Seen in the VM (issue 14): the kernel's nbd driver reads each
+		// socket in a work item that runs as long as the socket lives,
+		// on a WQ_MEM_RECLAIM workqueue. When the pool is slow to make
+		// workers, that workqueue's rescuer takes the pending items and
+		// runs them one after another, so the socket whose item waits
+		// behind another socket's is never read: our replies sit in it
+		// until the kernel times their requests out (30 s) and retries
+		// them on another socket.
+		c.srv.log.Warn("nbd: peer has not read our replies", "unread_reply_bytes", c.outq,
+			"for", float64(c.stuckTicks)*wd.every.Seconds(), "in_flight", inFlight, "remote", remote(c.w.nc))
+	}
 	if c.unreadTicks != wd.after {
 		return
 	}
