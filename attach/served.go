@@ -92,7 +92,9 @@ func newServed(rec control.Record, opts backend.Options, shared *nbd.Shared, log
 	if err != nil {
 		return nil, err
 	}
-	srv := nbd.NewServer(nbd.Config{Logger: log, Shared: shared})
+	// The server's lines (slow requests, replies the kernel left unread)
+	// name the image: they come before the kernel has picked the device.
+	srv := nbd.NewServer(nbd.Config{Logger: log.With("spec", rec.Spec), Shared: shared})
 	if err := srv.AddExport(nbd.Export{Description: opened.Describe, Backend: opened.Backend,
 		ReadOnly: rec.ReadOnly}); err != nil {
 		opened.Close()
