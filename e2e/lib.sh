@@ -28,6 +28,15 @@ took() { # took T0NS: seconds since T0NS, to 0.1 s
 	printf '%d.%ds' $((ms / 1000)) $((ms % 1000 / 100))
 }
 fail_check() { scenario_failed=1; recap+=("$current: $1"); }
+dur_ms() { # Go durations on stdin (1h2m3.5s, 937ms, 0s), one a line: whole ms
+	awk '{ d = $1; ms = 0
+		while (match(d, /^[0-9.]+(h|ms|m|s|µs|us|ns)/)) {
+			v = substr(d, 1, RLENGTH); d = substr(d, RLENGTH + 1)
+			n = v + 0; u = v; sub(/^[0-9.]+/, "", u)
+			ms += u == "h" ? n * 3600000 : u == "m" ? n * 60000 : u == "s" ? n * 1000 : u == "ms" ? n : 0
+		}
+		printf "%d\n", ms }'
+}
 run_scenario() {
 	local name=$1 fn=$2
 	log "--- scenario $name"
