@@ -36,7 +36,7 @@ func protectFromReclaim(log *slog.Logger) {
 	}
 	// No transparent huge pages, as Ceph's own daemons (global_init,
 	// with thp=false): khugepaged refills the holes Go's scavenger and
-	// tcmalloc punch into their heaps, 2 MiB at a time, whenever one
+	// jemalloc punch into their heaps, 2 MiB at a time, whenever one
 	// small page of the range is still in use, so memory handed back
 	// came back as soon as it was given. (Set before mlockall: pages
 	// locked from here on are small ones.)
@@ -52,7 +52,7 @@ const lockFlags = unix.MCL_CURRENT | unix.MCL_FUTURE | unix.MCL_ONFAULT
 
 // releaseMemory gives the memory the daemon no longer uses back to the
 // system. Under mlockall it never could: the kernel refuses
-// MADV_DONTNEED on locked pages, which is how Go's scavenger, tcmalloc
+// MADV_DONTNEED on locked pages, which is how Go's scavenger, jemalloc
 // (librbd's heap) and glibc (the stacks of ended threads) return
 // memory, so the daemon kept its peak for good. So, unlocked:
 //   - empty the Ps' lists of ended goroutines, narrowing the scheduler
@@ -63,10 +63,10 @@ const lockFlags = unix.MCL_CURRENT | unix.MCL_FUTURE | unix.MCL_ONFAULT
 //     cleanups that unmap pooled payload mappings;
 //   - Go's heap back to the system;
 //   - end the Go runtime's idle threads (endIdleThreads): glibc frees
-//     their stacks, and tcmalloc takes back their per-thread caches.
+//     their stacks, and jemalloc takes back their thread caches.
 //     Last, because a collection wakes a thread for every idle P to run
 //     its idle mark worker;
-//   - tcmalloc's free memory back to the system;
+//   - jemalloc's free pages back to the system;
 //
 // then lock again. The pages the daemon still uses stay resident
 // throughout (munlock evicts nothing); for the fraction of a second in

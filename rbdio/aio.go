@@ -6,16 +6,11 @@ package rbdio
 // drains them in batches, one C call per batch. No Go code ever runs on
 // a librbd thread.
 //
-// The binary links tcmalloc ahead of libc, so librbd's many small
-// allocations per I/O (bufferlists, completions, messenger frames) go to
-// it, as they do in Ceph's own daemons: glibc malloc/free was ~13% of
-// the server's CPU at 4k QD32, and server CPU per 4k write fell from
-// 62–81 µs to 54–55 µs with tcmalloc in the same runs. Go's own heap is
-// not affected.
+// librbd allocates with jemalloc, not glibc (memory.go).
 
 /*
 #cgo CXXFLAGS: -std=c++17 -O2
-#cgo LDFLAGS: -l:libtcmalloc_minimal.so.4 -lrbd -lrados -lpthread
+#cgo LDFLAGS: -lrbd -lrados -lpthread
 #include <errno.h>
 #include <pthread.h>
 #include <stdint.h>

@@ -12,7 +12,7 @@ pkgs=(
   ceph-mon ceph-osd ceph-common # the dev cluster (scripts/ceph-dev-cluster), rbd tool
   librbd-dev librados-dev       # cgo headers and libraries for rbdio
   libradospp-dev g++            # librbd's C++ API: lent reads (rbdio/lend.cc)
-  libtcmalloc-minimal4          # malloc for librbd in our process (see rbdio/aio.go)
+  libjemalloc2                  # malloc for librbd in our process (see rbdio/memory.go)
   gcc libc6-dev                 # cgo
   mount                         # losetup, for the block-device test
   qemu-system-x86 busybox-static # the kernel-NBD VM rig (scripts/vm)

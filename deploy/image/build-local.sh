@@ -1,7 +1,7 @@
 #!/bin/bash
 # Build the driver's container image with no registry and no container
 # builder: the rbd-nbd-go binary, every library it links (librbd,
-# librados, tcmalloc, ...) and the mkfs/mount/fs tools the node plugin
+# librados, jemalloc, ...) and the mkfs/mount/fs tools the node plugin
 # runs, all taken from this Debian 12 machine — the same contents the
 # Containerfile beside this script installs from Debian's packages.
 # The result is a docker-archive tarball that `ctr images import` (and
