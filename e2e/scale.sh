@@ -160,39 +160,6 @@ for n in $ns; do
 done
 [ -n "$tr" ] && echo 0 >$tr/events/nbd/enable
 scripts/ceph-dev-cluster stop "$work/ceph" >/dev/null 2>&1
-# The chart: Pss and threads per contender and N, each panel relative to
-# Ceph's rbd-nbd (one process per device) at the same N.
-python3 - "$out/scale.md" >"$out/scale.svg" <<'PY'
-import sys
-rows = [[c.strip() for c in l.strip().strip("|").split("|")] for l in open(sys.argv[1]) if l.startswith("| ") and l[2].isdigit()]
-data = {(int(r[0]), r[1]): {"Pss": float(r[2]), "threads": float(r[4])} for r in rows}
-ns = sorted({n for n, _ in data}); cs = list(dict.fromkeys(c for _, c in data))
-colors = ["#2b6cb0", "#dd6b20", "#38a169", "#718096", "#805ad5"]
-W, PH, top, left = 760, 220, 40, 60
-gw = (W - left - 20) / len(ns); bw = (gw - 30) / max(1, len(cs))
-out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{2 * (PH + top + 30) + 40}" font-family="sans-serif" font-size="11">',
-       '<rect width="100%" height="100%" fill="white"/>']
-for pi, (m, title) in enumerate([("Pss", "Total Pss"), ("threads", "Threads")]):
-    y0 = pi * (PH + top + 30) + top
-    ratio = {(n, c): data[(n, c)][m] / data[(n, "ceph")][m] if (n, "ceph") in data and data[(n, "ceph")][m] else 0 for (n, c) in data}
-    top_v = max(max(ratio.values()), 1.0) * 1.15
-    out.append(f'<text x="{left}" y="{y0 - 14}" font-weight="bold" font-size="13">{title} relative to rbd-nbd (one process per device); lower is better</text>')
-    base = y0 + PH
-    out.append(f'<line x1="{left}" y1="{base}" x2="{W - 20}" y2="{base}" stroke="black"/>')
-    y1 = base - PH / top_v
-    out.append(f'<line x1="{left}" y1="{y1:.1f}" x2="{W - 20}" y2="{y1:.1f}" stroke="#999" stroke-dasharray="4 3"/><text x="{left - 6}" y="{y1 + 4:.1f}" text-anchor="end">1.0x</text>')
-    for ni, n in enumerate(ns):
-        gx = left + ni * gw + 15
-        out.append(f'<text x="{gx + len(cs) * bw / 2:.1f}" y="{base + 16}" text-anchor="middle">N = {n} images</text>')
-        for ci, c in enumerate(cs):
-            if (n, c) not in ratio: continue
-            v = ratio[(n, c)]; h = PH * v / top_v; x = gx + ci * bw
-            out.append(f'<rect x="{x:.1f}" y="{base - h:.1f}" width="{bw - 4:.1f}" height="{h:.1f}" fill="{colors[ci % 5]}"/>')
-            out.append(f'<text x="{x + (bw - 4) / 2:.1f}" y="{base - h - 4:.1f}" text-anchor="middle" font-size="10">{v:.2f} ({data[(n, c)][m]:.0f})</text>')
-ly = 2 * (PH + top + 30) + 20
-for ci, c in enumerate(cs):
-    out.append(f'<rect x="{left + ci * 150}" y="{ly - 10}" width="12" height="12" fill="{colors[ci % 5]}"/><text x="{left + ci * 150 + 18}" y="{ly}">{c}</text>')
-out.append("</svg>")
-print("\n".join(out))
-PY
+# The chart (e2e/scale_chart.py; run it alone to draw a kept run again).
+python3 e2e/scale_chart.py "$out" >"$out/scale.svg"
 cat "$out/scale.md"
