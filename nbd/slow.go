@@ -144,10 +144,12 @@ func (c *conn) sampleUnread() {
 		n, _ = unix.IoctlGetInt(c.w.fd, unix.SIOCINQ)
 		out, _ = unix.IoctlGetInt(c.w.fd, unix.SIOCOUTQ)
 	}
-	// Replies the peer has not read: the same bytes still queued a tick
-	// later. (A peer that reads drains them, or they change as replies
-	// come and go; a stuck one keeps them, or fills up and keeps that.)
-	if out > 0 && out == c.outq {
+	// Replies the peer has not read: bytes still queued, no fewer than a
+	// tick before. A peer that reads drains them (and a busy one that
+	// reads is seen, at some tick, with fewer queued); one that does not
+	// keeps them, and more as it goes on sending requests, which the
+	// kernel does on a socket it does not read until their timeouts.
+	if out > 0 && out >= c.outq {
 		c.stuckTicks++
 	} else {
 		c.stuckTicks = 0
@@ -177,7 +179,9 @@ func (c *conn) reportUnread(wd *watchdog, inFlight int) {
 		// behind another socket's is never read: our replies sit in it
 		// until the kernel times their requests out (30 s) and retries
 		// them on another socket.
-		c.srv.log.Warn("nbd: peer has not read our replies", "unread_reply_bytes", c.outq,
+		// (SIOCOUTQ counts the socket's buffers, a little more than
+		// the replies' bytes.)
+		c.srv.log.Warn("nbd: peer has not read our replies", "queued_bytes", c.outq,
 			"for", float64(c.stuckTicks)*wd.every.Seconds(), "in_flight", inFlight, "remote", remote(c.w.nc))
 	}
 	if c.unreadTicks != wd.after {
