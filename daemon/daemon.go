@@ -131,11 +131,12 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		}()
 	}
 	// Memory back to the system a few seconds after devices go away.
-	sched := newProcs(cfg.IdleProcs)
 	devices := func() int { return len(m.List()) }
+	sched := newProcs(cfg.IdleProcs, devices)
+	sched.start()
 	go giveBack(ctx, 5*time.Second, devices, func() {
 		t0 := time.Now()
-		releaseMemory(sched, devices, rbdio.ReleaseFreeMemory)
+		releaseMemory(sched, rbdio.ReleaseFreeMemory)
 		log.Info("memory given back", append(append([]any{"took", time.Since(t0).Round(time.Millisecond)}, goMemory()...), rbdio.CMemory()...)...)
 	})
 	log.Info("serving NBD devices", "pid", os.Getpid(), "kernel", ctl.Name(), "state", cfg.StateDir,

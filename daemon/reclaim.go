@@ -56,7 +56,7 @@ const lockFlags = unix.MCL_CURRENT | unix.MCL_FUTURE | unix.MCL_ONFAULT
 // (librbd's heap) and glibc (the stacks of ended threads) return
 // memory, so the daemon kept its peak for good. So, unlocked:
 //   - empty the Ps' lists of ended goroutines, narrowing the scheduler
-//     to one P per CPU if no device is left (procs.settle), so the
+//     to its idle width if no device is left (procs.settle), so the
 //     collections below free their stacks;
 //   - two collections, since sync.Pools (payload and read buffers) keep
 //     one cycle's worth in their victim caches, and a pause for the
@@ -72,9 +72,9 @@ const lockFlags = unix.MCL_CURRENT | unix.MCL_FUTURE | unix.MCL_ONFAULT
 // throughout (munlock evicts nothing); for the fraction of a second in
 // between they could only be reclaimed under memory pressure, and this
 // runs only once devices went away, not on a busy I/O path.
-func releaseMemory(p *procs, devices func() int, freeC func()) {
+func releaseMemory(p *procs, freeC func()) {
 	unix.Munlockall()
-	width := p.settle(devices)
+	width := p.settle()
 	runtime.GC()
 	runtime.GC()
 	time.Sleep(releasePause)
@@ -96,12 +96,14 @@ const (
 
 // procs sets the Go scheduler's width: the Ps cmd chose while devices
 // are served (spare ones, which the I/O path wants: cmd's spareProcs,
-// 8 on a 2-CPU node), one per CPU while none is. An idle P costs nothing
-// until a collection runs: then each wakes a thread for its idle mark
-// worker, so at 8 Ps an idle daemon kept 12-13 threads whatever
-// endIdleThreads ended.
+// 8 on a 2-CPU node), the idle width (Config.IdleProcs: the runtime's
+// own default, which counts a cgroup's CPU limit) while none is. An
+// idle P costs nothing until a collection runs: then each wakes a
+// thread for its idle mark worker, so at 8 Ps an idle daemon kept 12-13
+// threads whatever endIdleThreads ended.
 type procs struct {
 	busy, idle int
+	devices    func() int // devices served
 	mu         sync.Mutex
 	pending    int // map and attach requests under way
 }
@@ -110,12 +112,12 @@ type procs struct {
 // between 1 and busy, one P per CPU. (runtime.NumCPU counts the CPUs
 // the process may run on, not a cgroup's CPU limit, which only the
 // runtime's default GOMAXPROCS reflects: cmd passes that.)
-func newProcs(idle int) *procs {
+func newProcs(idle int, devices func() int) *procs {
 	busy := runtime.GOMAXPROCS(0)
 	if idle < 1 || idle > busy {
 		idle = min(busy, runtime.NumCPU())
 	}
-	return &procs{busy: busy, idle: idle}
+	return &procs{busy: busy, idle: idle, devices: devices}
 }
 
 // serving widens the scheduler for a device about to be served; the
@@ -129,8 +131,27 @@ func (p *procs) serving() (done func()) {
 	return func() {
 		p.mu.Lock()
 		p.pending--
+		p.narrowIfIdle()
 		p.mu.Unlock()
 	}
+}
+
+// narrowIfIdle (p.mu held) narrows the scheduler when nothing is served
+// or being mapped: after a map or attach that failed, which leaves no
+// device whose unmap would lead to a release, and at start-up with no
+// device to take back. (No purge of ended goroutines' stacks here: a
+// failed map ends a few; the next release frees them.)
+func (p *procs) narrowIfIdle() {
+	if p.pending == 0 && p.devices() == 0 {
+		runtime.GOMAXPROCS(p.idle)
+	}
+}
+
+// start narrows the scheduler of a daemon that took back no device.
+func (p *procs) start() {
+	p.mu.Lock()
+	p.narrowIfIdle()
+	p.mu.Unlock()
 }
 
 // settle returns the width a release leaves: narrow, with the stacks of
@@ -145,10 +166,10 @@ func (p *procs) serving() (done func()) {
 // destroys every P but one, which hand their lists to the global one
 // (the runtime's procresize, one stop-the-world each way; the list of
 // the P left stays).
-func (p *procs) settle(devices func() int) int {
+func (p *procs) settle() int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.pending > 0 || devices() > 0 {
+	if p.pending > 0 || p.devices() > 0 {
 		return p.busy
 	}
 	runtime.GOMAXPROCS(1)

@@ -99,7 +99,7 @@ func TestSettleFreesDeadGoroutineStacks(t *testing.T) {
 	var kept, freed int64
 	for range 5 {
 		runtime.GOMAXPROCS(8)
-		p := &procs{busy: 8, idle: 2}
+		p := &procs{busy: 8, idle: 2, devices: func() int { return 0 }}
 		base := stacks()
 		var wg sync.WaitGroup
 		stop := make(chan struct{})
@@ -111,7 +111,7 @@ func TestSettleFreesDeadGoroutineStacks(t *testing.T) {
 		close(stop)
 		wg.Wait()
 		before := stacks()
-		if w := p.settle(func() int { return 0 }); w != 2 || runtime.GOMAXPROCS(0) != 2 {
+		if w := p.settle(); w != 2 || runtime.GOMAXPROCS(0) != 2 {
 			t.Fatalf("settled at %d Ps (GOMAXPROCS %d) with no device, want 2", w, runtime.GOMAXPROCS(0))
 		}
 		after := stacks()
@@ -125,31 +125,56 @@ func TestSettleFreesDeadGoroutineStacks(t *testing.T) {
 }
 
 // TestProcsWidth: the scheduler is wide while devices are served or
-// being mapped, narrow only when neither.
+// being mapped, narrow only when neither: after a release, after a map
+// that left no device, and at start-up with none taken back.
 func TestProcsWidth(t *testing.T) {
 	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(8))
-	if p := newProcs(0); p.busy != 8 || p.idle != min(8, runtime.NumCPU()) {
+	var n atomic.Int64
+	devices := func() int { return int(n.Load()) }
+	if p := newProcs(0, devices); p.busy != 8 || p.idle != min(8, runtime.NumCPU()) {
 		t.Fatalf("no idle width given: busy %d idle %d, want 8 and one per CPU", p.busy, p.idle)
 	}
-	if p := newProcs(3); p.busy != 8 || p.idle != 3 {
+	p := newProcs(3, devices)
+	if p.busy != 8 || p.idle != 3 {
 		t.Fatalf("idle width 3 given: busy %d idle %d", p.busy, p.idle)
 	}
-	p := &procs{busy: 8, idle: 2}
-	if w := p.settle(func() int { return 1 }); w != 8 || runtime.GOMAXPROCS(0) != 8 {
+	p.idle = 2
+	n.Store(1)
+	p.start()
+	if runtime.GOMAXPROCS(0) != 8 {
+		t.Fatalf("started with a device taken back: GOMAXPROCS %d, want 8", runtime.GOMAXPROCS(0))
+	}
+	if w := p.settle(); w != 8 || runtime.GOMAXPROCS(0) != 8 {
 		t.Fatalf("one device served: settled at %d (GOMAXPROCS %d), want 8", w, runtime.GOMAXPROCS(0))
 	}
-	if w := p.settle(func() int { return 0 }); w != 2 || runtime.GOMAXPROCS(0) != 2 {
+	n.Store(0)
+	if w := p.settle(); w != 2 || runtime.GOMAXPROCS(0) != 2 {
 		t.Fatalf("nothing served: settled at %d (GOMAXPROCS %d), want 2", w, runtime.GOMAXPROCS(0))
 	}
 	done := p.serving()
 	if runtime.GOMAXPROCS(0) != 8 {
 		t.Fatalf("a map under way: GOMAXPROCS %d, want 8", runtime.GOMAXPROCS(0))
 	}
-	if w := p.settle(func() int { return 0 }); w != 8 {
+	if w := p.settle(); w != 8 {
 		t.Fatalf("a map under way, no device yet: settled at %d, want 8", w)
 	}
-	done()
-	if w := p.settle(func() int { return 0 }); w != p.idle {
+	done() // the map failed: no device
+	if runtime.GOMAXPROCS(0) != 2 {
+		t.Fatalf("a map that left no device: GOMAXPROCS %d, want 2", runtime.GOMAXPROCS(0))
+	}
+	done = p.serving()
+	n.Store(1)
+	done() // the map made a device
+	if runtime.GOMAXPROCS(0) != 8 {
+		t.Fatalf("a map that made a device: GOMAXPROCS %d, want 8", runtime.GOMAXPROCS(0))
+	}
+	n.Store(0)
+	if w := p.settle(); w != p.idle {
 		t.Fatalf("nothing served or under way: settled at %d, want %d", w, p.idle)
+	}
+	runtime.GOMAXPROCS(8)
+	p.start()
+	if runtime.GOMAXPROCS(0) != 2 {
+		t.Fatalf("started with no device: GOMAXPROCS %d, want 2", runtime.GOMAXPROCS(0))
 	}
 }
