@@ -20,30 +20,8 @@ package rbdio
 
 /*
 #cgo LDFLAGS: -l:libjemalloc.so.2
-#include <stddef.h>
-#include <stdint.h>
 #include <stdlib.h>
-
-int mallctl(const char *name, void *oldp, size_t *oldlenp, void *newp, size_t newlen);
-
-// jemalloc reads this at its start-up; MALLOC_CONF still overrides it.
-// No decay: the daemon's pages are locked (mlockall), so the purges that
-// decay would make as the I/O path allocates could only fail; the daemon
-// purges itself once devices went away, unlocked (ReleaseFreeMemory).
-const char *malloc_conf = "dirty_decay_ms:-1,muzzy_decay_ms:-1";
-
-static void nbdgo_purge(void) {
-	// MALLCTL_ARENAS_ALL: every arena.
-	mallctl("arena.4096.purge", NULL, NULL, NULL, 0);
-}
-
-static int nbdgo_stat(const char *name, size_t *v) {
-	uint64_t epoch = 1;
-	size_t sz = sizeof epoch;
-	mallctl("epoch", &epoch, &sz, &epoch, sz); // refresh the statistics
-	sz = sizeof *v;
-	return mallctl(name, v, &sz, NULL, 0) == 0;
-}
+#include "memory.h"
 */
 import "C"
 
@@ -75,4 +53,21 @@ func CMemory() []any {
 		}
 	}
 	return attrs
+}
+
+// decayMS is jemalloc's opt.dirty_decay_ms: -1 (never) if memory.c's
+// setting took.
+func decayMS() (int64, bool) {
+	name := C.CString("opt.dirty_decay_ms")
+	defer C.free(unsafe.Pointer(name))
+	var v C.int64_t
+	ok := C.nbdgo_opt_ssize(name, &v) != 0
+	return int64(v), ok
+}
+
+// cAllocate returns n bytes from C's malloc and a func that frees them:
+// for the test that C's malloc is jemalloc's.
+func cAllocate(n int) (free func()) {
+	p := C.malloc(C.size_t(n))
+	return func() { C.free(p) }
 }
