@@ -35,7 +35,7 @@ dur_ms() { # Go durations on stdin (1h2m3.5s, 937ms, 0s), one a line: whole ms
 			n = v + 0; u = v; sub(/^[0-9.]+/, "", u)
 			ms += u == "h" ? n * 3600000 : u == "m" ? n * 60000 : u == "s" ? n * 1000 : u == "ms" ? n : 0
 		}
-		printf "%d\n", ms }'
+		printf "%d\n", ms + 0.5 }'
 }
 run_scenario() {
 	local name=$1 fn=$2
