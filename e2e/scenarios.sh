@@ -250,8 +250,9 @@ scenario_j() { # LUKS through librbd and --exclusive: encrypted at rest, wrong p
 }
 
 kernel_left_unread() { # kernel_left_unread DMESG LOG: see scenario k
-	local dev ok
-	grep -qE "nbd[0-9]+: (Connection timed out|Unexpected reply)" "$1" || return 0
+	local dev devs
+	devs=$(grep -oE "nbd[0-9]+: (Connection timed out|Unexpected reply)" "$1" | cut -d: -f1 | sort -u)
+	[ -n "$devs" ] || return 0
 	# The devices that held an image while the watchdog said the kernel
 	# left its replies unread.
 	awk '/msg=mapped device=/ || /msg=unmapped device=/ {
@@ -263,7 +264,7 @@ kernel_left_unread() { # kernel_left_unread DMESG LOG: see scenario k
 			s = $0; sub(/.* spec=/, "", s); sub(/ .*/, "", s)
 			if (s in held) print held[s]
 		}' "$2" | sort -u >"$work/unread-devs"
-	for dev in $(grep -oE "nbd[0-9]+: (Connection timed out|Unexpected reply)" "$1" | cut -d: -f1 | sort -u); do
+	for dev in $devs; do
 		grep -qx "$dev" "$work/unread-devs" || { echo "$dev: a request timed out with no reply of ours left unread" >>"$work/why"; return 1; }
 		log "  $dev: the kernel left our replies unread and timed them out (workqueue rescuer, Linux < 7.0)"
 	done
@@ -332,8 +333,9 @@ scenario_k() { # many devices mapped and unmapped under load: no unmap waits for
 	# own start-up, which under TCG with ten fio jobs running takes
 	# seconds. 5 s is issue 14's bound: 5x the worst seen, and a sixth of
 	# the timeout a stuck request would add.
+	tail -n +$((klog + 1)) /run/rbd-nbd-go/daemon.log >"$work/daemon-k.log"
 	local took
-	took=$(tail -n +$((klog + 1)) /run/rbd-nbd-go/daemon.log | grep "msg=unmapped device=.* spec=rbd/many-" | sed -n 's/.* took=\([^ ]*\) .*/\1/p' | dur_ms | sort -n | tail -1)
+	took=$(grep "msg=unmapped device=.* spec=rbd/many-" "$work/daemon-k.log" | sed -n 's/.* took=\([^ ]*\) .*/\1/p' | dur_ms | sort -n | tail -1)
 	check "the daemon's side of every unmap took under 5 s (worst ${took:-?} ms)" eval '[ -n "$took" ] && [ "$took" -lt 5000 ]'
 	dmesg > "$work/dmesg-k"
 	check "no I/O error, no request stuck on one connection" eval '! grep -E "I/O error|Possible stuck request" $work/dmesg-k'
@@ -348,10 +350,9 @@ scenario_k() { # many devices mapped and unmapped under load: no unmap waits for
 	# socket. (Linux 7.0's rescuer takes one item at a time: "workqueue:
 	# Process rescuer work items one-by-one using a cursor".) Any other
 	# timeout, a late or lost reply of ours, fails here.
-	tail -n +$((klog + 1)) /run/rbd-nbd-go/daemon.log >"$work/daemon-k.log"
 	check "every request the kernel timed out had been answered, unread by the kernel" kernel_left_unread "$work/dmesg-k" "$work/daemon-k.log"
 	# Where a slow request waited, if one did: the daemon's watchdog, the OSD.
-	grep -E "slow request|not read our replies" /run/rbd-nbd-go/daemon.log | tail -5
+	grep -E "slow request|not read our replies" "$work/daemon-k.log" | tail -5
 	grep -h "slow request\|slow ops" "$work"/ceph/log/osd*.log 2>/dev/null | tail -3
 	check "list-mapped is empty" no_devices
 }

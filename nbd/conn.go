@@ -64,7 +64,7 @@ type conn struct {
 	// For the watchdog: requests read so far, whether the reader is
 	// parked, and (watchdog goroutine only) for how many ticks the
 	// socket has held unread bytes while no request was read, and for
-	// how many the same bytes of our replies have sat unread by the peer.
+	// how many our replies queued for the peer have not grown fewer.
 	nread       atomic.Uint64
 	parked      atomic.Bool
 	lastRead    uint64

@@ -19,11 +19,14 @@ void nbdgo_purge(void) {
 	mallctl("arena.4096.purge", NULL, NULL, NULL, 0);
 }
 
-int nbdgo_stat(const char *name, size_t *v) {
+void nbdgo_refresh(void) {
 	uint64_t epoch = 1;
 	size_t sz = sizeof epoch;
-	mallctl("epoch", &epoch, &sz, &epoch, sz); // refresh the statistics
-	sz = sizeof *v;
+	mallctl("epoch", &epoch, &sz, &epoch, sz);
+}
+
+int nbdgo_stat(const char *name, size_t *v) {
+	size_t sz = sizeof *v;
 	return mallctl(name, v, &sz, NULL, 0) == 0;
 }
 

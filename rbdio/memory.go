@@ -43,6 +43,7 @@ func CMemory() []any {
 		{"mapped", "stats.mapped"},
 	}
 	attrs := make([]any, 0, 2*len(props))
+	C.nbdgo_refresh()
 	for _, p := range props {
 		name := C.CString(p.name)
 		var v C.size_t
