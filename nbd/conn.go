@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"runtime"
 	"sync"
 	"sync/atomic"
 )
@@ -59,6 +60,15 @@ type conn struct {
 	handoff bool
 	send    sendState
 
+	// Direct replies (direct.go): the port a backend's threads send
+	// through, nil when the connection offers none; portHeld, whether
+	// the send-token holder has it locked (only that holder touches it).
+	port     *replyPort
+	portHeld bool
+	reaper   Reaper
+	pin      runtime.Pinner
+	tornOnce sync.Once
+
 	hdr [requestHeaderSize]byte
 
 	// For the watchdog: requests read so far, whether the reader is
@@ -106,6 +116,7 @@ func newConn(s *Server, w *wire, rd io.Reader, sess *session) *conn {
 	c.cond.L = &c.mu
 	c.send.init(w, k)
 	c.send.sp.on = zeroCopyFor(s.cfg.ZeroCopy, sess.kernel, w.unix)
+	c.newPort()
 	return c
 }
 
@@ -123,6 +134,9 @@ func (c *conn) serve() error {
 	c.mu.Unlock()
 	close(c.stop)
 	<-c.exited
+	// No request is in flight: no backend thread holds the port.
+	c.portFail()
+	c.pin.Unpin()
 	if c.br != nil {
 		c.pool.putReader(c.br)
 		c.br = nil
@@ -145,9 +159,18 @@ func (c *conn) serve() error {
 // watchdog reads them.
 func (c *conn) acquire(payload int, h []byte) *Request {
 	c.mu.Lock()
+	reaped := false
 	for (len(c.free) == 0 && len(c.all) == c.total) || (c.bytes > 0 && c.bytes+payload > c.maxBytes) {
-		c.wantSend() // only sending returns requests
+		c.wantSend() // only sending (or reaping direct replies) returns requests
+		if c.reaper != nil && !reaped {
+			reaped = true
+			c.mu.Unlock()
+			c.reap()
+			c.mu.Lock()
+			continue
+		}
 		c.cond.Wait()
+		reaped = false
 	}
 	switch {
 	case payload == 0:
@@ -158,6 +181,7 @@ func (c *conn) acquire(payload int, h []byte) *Request {
 		// completions need it to be queued and sent.
 		c.wantSend()
 		c.mu.Unlock()
+		c.reap()
 		c.pool.budget.waitTake(payload, &c.owned)
 		c.mu.Lock()
 	}

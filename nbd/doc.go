@@ -11,7 +11,9 @@
 // connection's reader validates a request and hands it to Backend.Submit;
 // the backend calls Request.Complete from whatever goroutine finishes it;
 // replies are sent as soon as they are ready, in any order, several per
-// sendmsg. Synchronous devices (io.ReaderAt/io.WriterAt plus optional
+// sendmsg. A backend whose completions arrive on threads of its own may
+// instead send a success reply from there and finish the request later
+// (Request.DirectReply, Reaper). Synchronous devices (io.ReaderAt/io.WriterAt plus optional
 // Flusher, Trimmer, Zeroer, ...) are adapted by Inline, NewPool and
 // NewHybrid, and only what they implement is advertised.
 //

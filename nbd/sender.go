@@ -157,6 +157,7 @@ func (c *conn) grab() bool {
 // kick is the reader's turn before it blocks: send what is ready without
 // blocking, hand any remainder to the writer.
 func (c *conn) kick() {
+	c.reap()
 	c.mu.Lock()
 	ok := c.grab()
 	c.mu.Unlock()
@@ -169,6 +170,7 @@ func (c *conn) kick() {
 // goes to the writer goroutine.
 func (c *conn) sendGrabbed() {
 	c.encode()
+	c.portLock() // kept across a hand-off: a reply may be half sent
 	if c.send.err == nil && !c.trySend() {
 		c.mu.Lock()
 		c.handoff = true
@@ -209,6 +211,7 @@ func (c *conn) writeRound() bool {
 	if !resume {
 		c.encode()
 	}
+	c.portLock()
 	for c.send.err == nil && c.send.pending() {
 		var err error
 		switch {
@@ -315,6 +318,7 @@ func consume(b *net.Buffers, n int) {
 // but requests keep being recycled so the reader can drain.
 func (c *conn) fail(err error) {
 	c.send.err = err
+	c.portFail()
 	c.w.abort()
 }
 
@@ -329,6 +333,7 @@ func (c *conn) release() {
 	c.send.zc, c.send.zi = c.send.zc[:0], 0
 	c.recycle(c.send.batch)
 	c.send.batch = c.send.batch[:0]
+	c.portUnlock()
 	c.mu.Lock()
 	c.writing = false
 	c.wantSend()

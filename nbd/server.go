@@ -85,6 +85,10 @@ type Config struct {
 	// Shared is shared with the other servers of the process (default: a
 	// pool of the server's own with DefaultMemoryBudget).
 	Shared *Shared
+	// NoDirectReplies keeps backends from sending replies from their
+	// own threads (see Request.DirectReply): every reply goes through
+	// the connection's sender. For comparison and tests.
+	NoDirectReplies bool
 }
 
 // Server speaks NBD on any number of listeners and connections.

@@ -97,6 +97,7 @@ func (c *conn) reportSlow(now uint32, wd *watchdog) {
 		queued, all int
 	}
 	var found []slow
+	c.reap() // a request answered directly is not slow, only not yet reaped
 	c.mu.Lock()
 	for _, r := range c.all {
 		if r.state != reqFree && !r.slow && now-r.born >= wd.after {

@@ -18,6 +18,10 @@ import (
 // is certainly consumed once SIOCOUTQ ≤ after: if any piece of it were
 // still queued, that piece and everything after it would count more.
 //
+// Replies a backend sends itself (direct.go) are not counted in sent:
+// they only make "after" larger than we know, so a payload is reclaimed
+// no earlier than it would be without them.
+//
 // TCP is never spliced: on loopback the receiver's queue holds clones of
 // our buffers that outlive the acknowledgement SIOCOUTQ reports.
 

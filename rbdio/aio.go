@@ -2,7 +2,9 @@ package rbdio
 
 // The cgo boundary: the only C in the project. Each data-path operation is
 // one C call (create a completion for a slot, start the aio); a small C
-// callback queues finished slots and signals an eventfd; the reaper
+// callback sends the request's success reply when the NBD layer offered
+// it (nbd.Request.DirectReply), queues the finished slot, and signals an
+// eventfd when Go is needed; the reaper (or the server, through Reap)
 // drains them in batches, one C call per batch. No Go code ever runs on
 // a librbd thread.
 //
@@ -17,28 +19,54 @@ package rbdio
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
 #include <rbd/librbd.h>
 #include "lend.h"
 
 enum { OP_READ = 0, OP_WRITE = 1, OP_FLUSH = 3, OP_DISCARD = 4, OP_ZEROES = 6 };
 
 // Finished completions wait here until the reaper drains them. The
-// callback runs on a librbd thread: it only appends under a mutex and
-// writes the eventfd when the queue stops being empty. (librbd's own
-// event socket is not used: completions that fail before they start,
-// such as a write to a read-only image, never reach it.)
+// callback runs on a librbd thread: it sends the reply itself when it
+// may (a direct reply, nbd/direct.go), then only appends under a mutex
+// and writes the eventfd when Go is needed: for a completion it did not
+// answer, when the image has no more I/O in flight, or when lazyMax
+// answered ones wait. (librbd's own event socket is not used:
+// completions that fail before they start, such as a write to a
+// read-only image, never reach it.)
+enum { LAZY_MAX = 16 };
+#define NBDGO_SENT ((uintptr_t)1 << 40) // tag flag: the reply went out
+
 struct nbdgo_img {
 	pthread_mutex_t mu;
 	int efd;
 	uintptr_t *tags;
 	int64_t *rets;
 	int n, cap;
+	int signalled;     // an eventfd write is pending, or a drain will see the queue (mu)
+	int lazy;          // answered entries queued since the last drain emptied it (mu)
+	uint32_t queued;   // n, for Go's lock-free look (written under mu)
+	int64_t inflight;  // started and not yet called back (atomic)
+};
+
+// nbd's replyPort (nbd/direct.go): one per connection, pinned by Go.
+struct nbdgo_port {
+	uint32_t lock; // 0 free, 1 us, 2 Go
+	int32_t fd;
+	uint32_t dead; // 0 live, 1 dead, 2 torn (by us)
 };
 
 struct nbdgo_slot {
 	struct nbdgo_img *img;
 	uintptr_t tag;
 	struct nbdgo_bl *bl; // a lent read's data (lend.cc), set before it starts
+	// A direct reply: port non-NULL while one is offered, then hdr, and
+	// data (a READ's payload, pinned by Go) to send on success.
+	struct nbdgo_port *port;
+	const void *data;
+	uint32_t dlen;
+	uint32_t hlen;
+	unsigned char hdr[32];
 };
 
 static struct nbdgo_img *nbdgo_img_new(int efd) {
@@ -60,11 +88,42 @@ static void nbdgo_img_free(struct nbdgo_img *im) {
 static struct nbdgo_slot *nbdgo_slot_new(struct nbdgo_img *im, uintptr_t tag) {
 	struct nbdgo_slot *s = malloc(sizeof *s);
 	if (s != NULL) {
+		memset(s, 0, sizeof *s);
 		s->img = im;
 		s->tag = tag;
-		s->bl = NULL;
 	}
 	return s;
+}
+
+// nbdgo_send_reply sends slot s's reply if the port is free and the
+// socket takes it whole at once; 1 if it did. It never blocks.
+static int nbdgo_send_reply(struct nbdgo_slot *s) {
+	struct nbdgo_port *p = s->port;
+	uint32_t free_ = 0;
+	if (!__atomic_compare_exchange_n(&p->lock, &free_, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+		return 0;
+	int sent = 0;
+	if (__atomic_load_n(&p->dead, __ATOMIC_ACQUIRE) == 0) {
+		struct iovec iov[2] = {{s->hdr, s->hlen}, {(void *)s->data, s->dlen}};
+		struct msghdr m;
+		memset(&m, 0, sizeof m);
+		m.msg_iov = iov;
+		m.msg_iovlen = s->dlen > 0 ? 2 : 1;
+		ssize_t want = (ssize_t)s->hlen + s->dlen, n;
+		do
+			n = sendmsg(p->fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL);
+		while (n < 0 && errno == EINTR);
+		if (n == want) {
+			sent = 1;
+		} else if (n > 0) {
+			// Cannot happen for a reply nbd offers (see directMax);
+			// if it ever does, the stream is torn: end it.
+			__atomic_store_n(&p->dead, 2, __ATOMIC_RELEASE);
+			shutdown(p->fd, SHUT_RDWR);
+		}
+	}
+	__atomic_store_n(&p->lock, 0, __ATOMIC_RELEASE);
+	return sent;
 }
 
 static void nbdgo_cb(rbd_completion_t c, void *arg) {
@@ -72,6 +131,7 @@ static void nbdgo_cb(rbd_completion_t c, void *arg) {
 	struct nbdgo_img *im = s->img;
 	int64_t ret = rbd_aio_get_return_value(c);
 	rbd_aio_release(c);
+	int sent = s->port != NULL && ret >= 0 && nbdgo_send_reply(s);
 	pthread_mutex_lock(&im->mu);
 	if (im->n == im->cap) {
 		int cap = im->cap ? 2 * im->cap : 256;
@@ -83,9 +143,16 @@ static void nbdgo_cb(rbd_completion_t c, void *arg) {
 		im->rets = r;
 		im->cap = cap;
 	}
-	im->tags[im->n] = s->tag;
+	im->tags[im->n] = s->tag | (sent ? NBDGO_SENT : 0);
 	im->rets[im->n] = ret;
-	int wake = ++im->n == 1;
+	im->n++;
+	__atomic_store_n(&im->queued, (uint32_t)im->n, __ATOMIC_RELEASE);
+	int64_t left = __atomic_sub_fetch(&im->inflight, 1, __ATOMIC_ACQ_REL);
+	int wake = 0;
+	if (sent)
+		im->lazy++;
+	if (!im->signalled && (!sent || left == 0 || im->lazy >= LAZY_MAX))
+		wake = im->signalled = 1;
 	pthread_mutex_unlock(&im->mu);
 	if (wake) {
 		uint64_t one = 1;
@@ -101,6 +168,7 @@ static int nbdgo_aio(rbd_image_t img, int op, uint64_t off, uint64_t len,
 	int r = rbd_aio_create_completion(s, nbdgo_cb, &c);
 	if (r < 0)
 		return r;
+	__atomic_add_fetch(&s->img->inflight, 1, __ATOMIC_ACQ_REL);
 	switch (op) {
 	case OP_READ:    r = rbd_aio_read(img, off, len, buf, c); break;
 	case OP_WRITE:   r = rbd_aio_write(img, off, len, buf, c); break;
@@ -109,8 +177,10 @@ static int nbdgo_aio(rbd_image_t img, int op, uint64_t off, uint64_t len,
 	case OP_ZEROES:  r = rbd_aio_write_zeroes(img, off, len, c, zero_flags, 0); break;
 	default:         r = -EINVAL;
 	}
-	if (r < 0)
+	if (r < 0) {
+		__atomic_sub_fetch(&s->img->inflight, 1, __ATOMIC_ACQ_REL);
 		rbd_aio_release(c);
+	}
 	return r;
 }
 
@@ -123,9 +193,12 @@ static int nbdgo_aio_read_lend(void *view, uint64_t off, uint64_t len, struct nb
 		return -ENOMEM;
 	int r = rbd_aio_create_completion(s, nbdgo_cb, &c);
 	if (r >= 0) {
+		__atomic_add_fetch(&s->img->inflight, 1, __ATOMIC_ACQ_REL);
 		r = nbdgo_aio_read_bl(view, off, len, c, s->bl);
-		if (r < 0)
+		if (r < 0) {
+			__atomic_sub_fetch(&s->img->inflight, 1, __ATOMIC_ACQ_REL);
 			rbd_aio_release(c);
+		}
 	}
 	if (r < 0) {
 		nbdgo_bl_free(s->bl);
@@ -143,6 +216,9 @@ static int nbdgo_drain(struct nbdgo_img *im, uintptr_t *tags, int64_t *rets, int
 	memmove(im->tags, im->tags + n, (im->n - n) * sizeof *tags);
 	memmove(im->rets, im->rets + n, (im->n - n) * sizeof *rets);
 	im->n -= n;
+	__atomic_store_n(&im->queued, (uint32_t)im->n, __ATOMIC_RELEASE);
+	if (im->n == 0)
+		im->signalled = im->lazy = 0;
 	pthread_mutex_unlock(&im->mu);
 	return n;
 }
@@ -188,6 +264,7 @@ static int nbdgo_update_watch(rbd_image_t img, uint64_t *handle, int fd) {
 import "C"
 
 import (
+	"sync/atomic"
 	"syscall"
 	"unsafe"
 
@@ -306,6 +383,32 @@ func (i cImage) aio(op int, off, length uint64, buf []byte, zeroFlags int, s cSl
 // bufferlist.
 func (i cImage) aioReadLend(off, length uint64, s cSlot) error {
 	return errnoOf(C.nbdgo_aio_read_lend(i.view, C.uint64_t(off), C.uint64_t(length), s))
+}
+
+// sentBit marks, in a drained tag, a completion whose reply the
+// callback sent itself.
+const sentBit = uintptr(1) << 40
+
+// offerDirect lets slot s's callback send the request's success reply:
+// hdr, then data (pinned by the caller until the slot is reaped)
+// through port (see nbd.Request.DirectReply). Empty port: no offer.
+func offerDirect(s cSlot, port unsafe.Pointer, hdr, data []byte) {
+	if port == nil {
+		s.port = nil
+		return
+	}
+	s.port = (*C.struct_nbdgo_port)(port)
+	s.hlen = C.uint32_t(copy(unsafe.Slice((*byte)(unsafe.Pointer(&s.hdr[0])), len(s.hdr)), hdr))
+	s.data, s.dlen = nil, 0
+	if len(data) > 0 {
+		s.data, s.dlen = unsafe.Pointer(&data[0]), C.uint32_t(len(data))
+	}
+}
+
+// queued is how many completions wait to be drained, read without the
+// queue's lock: a hint, exact only under it.
+func (i cImage) queued() uint32 {
+	return (*atomic.Uint32)(unsafe.Pointer(&i.q.queued)).Load()
 }
 
 // takeBL hands over the bufferlist of slot s's finished read, if any.

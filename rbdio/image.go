@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -68,10 +69,22 @@ type Image struct {
 	free     []uint32
 	inflight int
 
+	// The reaper's state, shared with Reap (the server's readers and
+	// watchdog): whoever holds mu drains the queue and finishes what it
+	// finds. gone: the queue is freed.
+	reaping struct {
+		mu    sync.Mutex
+		gone  bool
+		tags  [pollBatch]uintptr
+		rets  [pollBatch]int64
+		batch nbd.Batch
+	}
+
 	release func() // cluster connection reference and ioctx
 
 	quiesce *quiescer
 	loans   *loanPool
+	direct  atomic.Uint64 // replies the completion callback sent (tests read it)
 }
 
 type slot struct {
@@ -223,7 +236,7 @@ func (im *Image) Submit(r *nbd.Request) {
 		err = syscall.EINVAL
 	}
 	if err != nil {
-		im.finish(tag, -int64(err.(syscall.Errno)), nil)
+		im.finish(tag, -int64(err.(syscall.Errno)), false, nil)
 	}
 }
 
@@ -268,61 +281,76 @@ func (im *Image) take(r *nbd.Request, pin bool) (uint32, cSlot) {
 	if pin && len(r.Data) > 0 {
 		s.pin.Pin(&r.Data[0])
 	}
+	// A direct reply only when librbd's completion finishes the request:
+	// not a FUA write (its flush follows), not a lent read.
+	var port unsafe.Pointer
+	var hdr, data []byte
+	if pin && !s.fua {
+		var ok bool
+		if port, hdr, ok = r.DirectReply(); ok && r.Op == nbd.OpRead {
+			data = r.Data
+		}
+	}
+	offerDirect(s.c, port, hdr, data)
 	return tag, s.c
 }
 
 // reap waits for librbd's signal and finishes completions in batches.
 //
-// It never reads the eventfd: the C callback writes it when the queue
-// stops being empty, every write is an edge for Go's (edge-triggered)
-// netpoller whatever the counter holds, and the queue itself says
-// whether there is work. So a wake-up costs no system call of its own,
-// where reading the counter cost two (the read, and the read that finds
-// it empty before the goroutine parks). The queue is drained inside
+// It never reads the eventfd: the C callback writes it when Go is
+// needed, every write is an edge for Go's (edge-triggered) netpoller
+// whatever the counter holds, and the queue itself says whether there
+// is work. So a wake-up costs no system call of its own, where reading
+// the counter cost two (the read, and the read that finds it empty
+// before the goroutine parks). The queue is looked at inside
 // RawConn.Read's callback, after the poller was armed: a completion
-// queued before that is found by the drain, one after it by the poller.
+// queued before that is found there, one after it by the poller.
+//
+// Completions the callback answered itself are not signalled one by
+// one (see aio.go): the server reaps them through Reap, and the
+// callback signals when the image has nothing left in flight, so none
+// waits for long.
 func (im *Image) reap() {
 	defer close(im.reaped)
 	rc, err := im.ef.SyscallConn()
 	if err != nil {
 		panic("rbdio: eventfd: " + err.Error()) // an *os.File always has one
 	}
-	var (
-		tags  [pollBatch]uintptr
-		rets  [pollBatch]int64
-		n     int
-		batch nbd.Batch
-	)
-	ready := func(uintptr) bool {
-		n = im.img.poll(&tags, &rets)
-		return n > 0 || im.stop.Load()
-	}
+	ready := func(uintptr) bool { return im.img.queued() > 0 || im.stop.Load() }
 	for {
 		if err := rc.Read(ready); err != nil {
 			return
 		}
-		for n > 0 {
-			for i := range n {
-				im.finish(uint32(tags[i]), rets[i], &batch)
-			}
-			// Replies go out from here, one send per connection per
-			// batch, without waking each connection's writer.
-			batch.Flush()
-			if n < pollBatch {
-				break
-			}
-			n = im.img.poll(&tags, &rets)
-		}
-		n = 0
+		im.Reap()
 		if im.stop.Load() {
 			return
 		}
 	}
 }
 
+// Reap finishes every completion queued (nbd.Reaper). Replies go out
+// from here, one send per connection per batch, without waking each
+// connection's writer.
+func (im *Image) Reap() {
+	rs := &im.reaping
+	rs.mu.Lock()
+	defer rs.mu.Unlock()
+	if rs.gone {
+		return
+	}
+	for im.img.queued() > 0 {
+		n := im.img.poll(&rs.tags, &rs.rets)
+		for i := range n {
+			im.finish(uint32(rs.tags[i]), rs.rets[i], rs.tags[i]&sentBit != 0, &rs.batch)
+		}
+		rs.batch.Flush()
+	}
+}
+
 // finish completes the request in slot tag with librbd's return value,
-// first chaining the flush a FUA write still owes.
-func (im *Image) finish(tag uint32, ret int64, batch *nbd.Batch) {
+// first chaining the flush a FUA write still owes; sent: the callback
+// sent its reply.
+func (im *Image) finish(tag uint32, ret int64, sent bool, batch *nbd.Batch) {
 	im.mu.Lock()
 	s := im.slots[tag]
 	if ret >= 0 && s.fua {
@@ -355,11 +383,15 @@ func (im *Image) finish(tag uint32, ret int64, batch *nbd.Batch) {
 			freeBL(bl)
 		}
 	}
-	if batch != nil {
+	switch {
+	case sent:
+		im.direct.Add(1)
+		r.Sent()
+	case batch != nil:
 		batch.Complete(r, err)
-		return
+	default:
+		r.Complete(err)
 	}
-	r.Complete(err)
 }
 
 // watch follows image updates (resize) through the update-watch eventfd.
@@ -418,6 +450,9 @@ func (im *Image) Close() error {
 	unix.Write(im.wfd, one)
 	<-im.reaped
 	<-im.watched
+	im.reaping.mu.Lock()
+	im.reaping.gone = true // the server may still call Reap
+	im.reaping.mu.Unlock()
 	err := im.quiesce.stop()
 	err = errors.Join(err, im.img.updateUnwatch(im.watchHandle))
 	im.img.closeView()
