@@ -63,11 +63,12 @@ type conn struct {
 	// Direct replies (direct.go): the port a backend's threads send
 	// through, nil when the connection offers none; portHeld, whether
 	// the send-token holder has it locked (only that holder touches it).
-	port     *replyPort
-	portHeld bool
-	reaper   Reaper
-	pin      runtime.Pinner
-	tornOnce sync.Once
+	port      *replyPort
+	portHeld  bool
+	directMax int // largest reply (and WRITE payload) offered
+	reaper    Reaper
+	pin       runtime.Pinner
+	tornOnce  sync.Once
 
 	hdr [requestHeaderSize]byte
 
@@ -126,12 +127,14 @@ func (c *conn) serve() error {
 	go c.writer()
 	err := c.readLoop()
 	// Every request read must be answered before the socket closes.
+	c.waiting(true)
 	c.kick()
 	c.mu.Lock()
 	for len(c.free) < len(c.all) {
 		c.cond.Wait()
 	}
 	c.mu.Unlock()
+	c.waiting(false)
 	close(c.stop)
 	<-c.exited
 	// No request is in flight: no backend thread holds the port.
@@ -159,18 +162,22 @@ func (c *conn) serve() error {
 // watchdog reads them.
 func (c *conn) acquire(payload int, h []byte) *Request {
 	c.mu.Lock()
-	reaped := false
+	waiting := false
 	for (len(c.free) == 0 && len(c.all) == c.total) || (c.bytes > 0 && c.bytes+payload > c.maxBytes) {
 		c.wantSend() // only sending (or reaping direct replies) returns requests
-		if c.reaper != nil && !reaped {
-			reaped = true
+		if c.reaper != nil && !waiting {
+			waiting = true
 			c.mu.Unlock()
-			c.reap()
+			c.waiting(true)
 			c.mu.Lock()
 			continue
 		}
 		c.cond.Wait()
-		reaped = false
+	}
+	if waiting {
+		c.mu.Unlock()
+		c.waiting(false)
+		c.mu.Lock()
 	}
 	switch {
 	case payload == 0:
@@ -181,8 +188,9 @@ func (c *conn) acquire(payload int, h []byte) *Request {
 		// completions need it to be queued and sent.
 		c.wantSend()
 		c.mu.Unlock()
-		c.reap()
+		c.waiting(true) // our own answered requests hold budget too
 		c.pool.budget.waitTake(payload, &c.owned)
+		c.waiting(false)
 		c.mu.Lock()
 	}
 	var r *Request

@@ -4,6 +4,8 @@ import (
 	"runtime"
 	"sync/atomic"
 	"unsafe"
+
+	"golang.org/x/sys/unix"
 )
 
 // Direct replies. A backend whose completions arrive on threads of its
@@ -46,23 +48,39 @@ const (
 	portTorn uint32 = 2 // a foreign send went out in part; it shut the socket down
 )
 
-// directMax bounds a directly sent reply (header and payload). A unix
-// stream socket sends up to 32 KiB plus a page in one buffer, allocated
-// whole or not at all: below that, MSG_DONTWAIT is all or nothing.
+// directMax bounds a directly sent reply (header and payload), and a
+// directly answered WRITE's payload, which waits to be reaped. A unix
+// stream socket sends up to 32 KiB plus a page, and at most half its
+// send buffer less 64 bytes, in one buffer allocated whole or not at
+// all: within that, MSG_DONTWAIT is all or nothing. A connection's own
+// bound (conn.directMax) also honours its send buffer.
 const directMax = 16 << 10
 
 // Reaper is a backend that finishes directly answered requests only
 // when it gets round to it (see Request.DirectReply). The server asks
-// it to, so that their buffers come back in time: before its reader
-// blocks waiting for the client, when it runs short of requests, and
-// before it judges a request slow. Reap must not block on I/O.
-type Reaper interface{ Reap() }
+// it to, so that their buffers come back in time. Reap, before its
+// reader blocks waiting for the client and before the watchdog judges
+// a request slow, finishes what is ready, or nothing if another caller
+// is at it already. Waiting(true), before the server waits for its
+// requests to come back (short of requests or budget, or closing),
+// finishes every request answered so far, and until Waiting(false)
+// the backend finishes each one it answers without delay. Neither may
+// block on I/O.
+type Reaper interface {
+	Reap()
+	Waiting(on bool)
+}
 
 // lockGo takes the port for the send-token holder. A foreign holder
-// keeps it for one non-blocking system call.
+// keeps it for one non-blocking system call, unless the kernel
+// preempted it meanwhile: then give it the CPU.
 func (p *replyPort) lockGo() {
-	for !p.lock.CompareAndSwap(portFree, portGo) {
-		runtime.Gosched()
+	for i := 0; !p.lock.CompareAndSwap(portFree, portGo); i++ {
+		if i < 4 {
+			runtime.Gosched()
+		} else {
+			unix.Syscall(unix.SYS_SCHED_YIELD, 0, 0, 0)
+		}
 	}
 }
 
@@ -83,13 +101,16 @@ func (r *Request) DirectReply() (port unsafe.Pointer, hdr []byte, ok bool) {
 	}
 	switch r.cmd {
 	case cmdWrite, cmdFlush, cmdTrim, cmdWriteZeroes:
+		if r.cmd == cmdWrite && int(r.Length) > c.directMax {
+			return nil, nil, false
+		}
 		h := r.hdr[:simpleReplySize]
 		be.PutUint32(h[0:], magicSimpleReply)
 		be.PutUint32(h[4:], 0)
 		be.PutUint64(h[8:], r.cookie)
 		return unsafe.Pointer(c.port), h, true
 	case cmdRead:
-		if r.Length == 0 || len(r.Data) != int(r.Length) || int(r.Length)+structuredHeaderSize+8 > directMax {
+		if r.Length == 0 || len(r.Data) != int(r.Length) || int(r.Length)+structuredHeaderSize+8 > c.directMax {
 			return nil, nil, false
 		}
 		if !c.structured {
@@ -125,6 +146,11 @@ func (c *conn) newPort() {
 	if !ok || c.w.fd < 0 || !c.w.unix || c.srv.cfg.NoDirectReplies {
 		return
 	}
+	sb, err := unix.GetsockoptInt(c.w.fd, unix.SOL_SOCKET, unix.SO_SNDBUF)
+	if err != nil || sb/2-64 < 4096+structuredHeaderSize+8 {
+		return
+	}
+	c.directMax = min(directMax, sb/2-64)
 	c.reaper = rp
 	c.port = &replyPort{fd: int32(c.w.fd)}
 	c.pin.Pin(c.port)
@@ -135,6 +161,14 @@ func (c *conn) newPort() {
 func (c *conn) reap() {
 	if c.reaper != nil {
 		c.reaper.Reap()
+	}
+}
+
+// waiting tells the backend whether c waits for requests to come back
+// (c.mu not held).
+func (c *conn) waiting(on bool) {
+	if c.reaper != nil {
+		c.reaper.Waiting(on)
 	}
 }
 

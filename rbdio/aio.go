@@ -14,6 +14,7 @@ package rbdio
 #cgo CXXFLAGS: -std=c++17 -O2
 #cgo LDFLAGS: -lrbd -lrados -lpthread
 #include <errno.h>
+#include <stddef.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -30,8 +31,8 @@ enum { OP_READ = 0, OP_WRITE = 1, OP_FLUSH = 3, OP_DISCARD = 4, OP_ZEROES = 6 };
 // callback runs on a librbd thread: it sends the reply itself when it
 // may (a direct reply, nbd/direct.go), then only appends under a mutex
 // and writes the eventfd when Go is needed: for a completion it did not
-// answer, when the image has no more I/O in flight, or when lazyMax
-// answered ones wait. (librbd's own event socket is not used:
+// answer, when the image has no more I/O in flight, when LAZY_MAX
+// answered ones wait, or while the server waits for requests back. (librbd's own event socket is not used:
 // completions that fail before they start, such as a write to a
 // read-only image, never reach it.)
 enum { LAZY_MAX = 16 };
@@ -46,6 +47,7 @@ struct nbdgo_img {
 	int signalled;     // an eventfd write is pending, or a drain will see the queue (mu)
 	int lazy;          // answered entries queued since the last drain emptied it (mu)
 	uint32_t queued;   // n, for Go's lock-free look (written under mu)
+	int32_t waiters;   // connections waiting for requests back (atomic)
 	int64_t inflight;  // started and not yet called back (atomic)
 };
 
@@ -55,6 +57,8 @@ struct nbdgo_port {
 	int32_t fd;
 	uint32_t dead; // 0 live, 1 dead, 2 torn (by us)
 };
+_Static_assert(sizeof(struct nbdgo_port) == 12 && offsetof(struct nbdgo_port, fd) == 4 &&
+               offsetof(struct nbdgo_port, dead) == 8, "nbd's replyPort layout");
 
 struct nbdgo_slot {
 	struct nbdgo_img *img;
@@ -151,7 +155,8 @@ static void nbdgo_cb(rbd_completion_t c, void *arg) {
 	int wake = 0;
 	if (sent)
 		im->lazy++;
-	if (!im->signalled && (!sent || left == 0 || im->lazy >= LAZY_MAX))
+	if (!im->signalled && (!sent || left == 0 || im->lazy >= LAZY_MAX ||
+	                       __atomic_load_n(&im->waiters, __ATOMIC_SEQ_CST) > 0))
 		wake = im->signalled = 1;
 	pthread_mutex_unlock(&im->mu);
 	if (wake) {
@@ -409,6 +414,12 @@ func offerDirect(s cSlot, port unsafe.Pointer, hdr, data []byte) {
 // queue's lock: a hint, exact only under it.
 func (i cImage) queued() uint32 {
 	return (*atomic.Uint32)(unsafe.Pointer(&i.q.queued)).Load()
+}
+
+// addWaiters counts connections waiting for their requests back: while
+// any do, the callback signals every completion.
+func (i cImage) addWaiters(n int32) {
+	(*atomic.Int32)(unsafe.Pointer(&i.q.waiters)).Add(n)
 }
 
 // takeBL hands over the bufferlist of slot s's finished read, if any.

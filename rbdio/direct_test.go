@@ -19,12 +19,34 @@ import (
 // request must get exactly one whole reply, reads the bytes written
 // before them, and the image must end up as written. Deep queues and
 // large replies sent by the server make both senders contend for the
-// socket (nbd's own test fills it on purpose).
+// socket (nbd's own test fills it on purpose). With NoDirectReplies,
+// none may be sent directly.
 func TestDirectReplies(t *testing.T) {
+	for _, off := range []bool{false, true} {
+		name := map[bool]string{false: "on", true: "off"}[off]
+		t.Run(name, func(t *testing.T) {
+			direct, flushes := directReplies(t, off)
+			switch {
+			case off && direct[1] != 0:
+				t.Fatalf("%d replies sent directly with NoDirectReplies", direct[1])
+			case off:
+			case direct[0] == 0 || direct[1]-direct[0] <= flushes:
+				// Reads, not only flushes, must have gone out directly.
+				t.Fatalf("replies sent by the completion callback: %d writes, %d reads and flushes: the test did not test direct replies",
+					direct[0], direct[1]-direct[0])
+			}
+			t.Logf("%d replies sent directly, %d in the read phase", direct[1], direct[1]-direct[0])
+		})
+	}
+}
+
+// directReplies runs the test's requests and returns how many replies
+// were sent directly after each phase, and the read phase's flushes.
+func directReplies(t *testing.T, noDirect bool) (direct [2]uint64, flushes uint64) {
 	const size = 8 << 20
 	spec := newImage(t, "8M")
 	im := open(t, NewClusters(), spec, OpenOptions{})
-	s := nbd.NewServer(nbd.Config{})
+	s := nbd.NewServer(nbd.Config{NoDirectReplies: noDirect})
 	if err := s.AddExport(nbd.Export{Backend: im}); err != nil {
 		t.Fatal(err)
 	}
@@ -69,7 +91,21 @@ func TestDirectReplies(t *testing.T) {
 		}
 	}
 	br := bufio.NewReader(c)
-	var direct [2]uint64
+	// settle finishes every request of a phase: a reply can reach the
+	// client before its completion is queued.
+	settle := func() {
+		for {
+			im.Waiting(true)
+			im.Waiting(false)
+			im.mu.Lock()
+			n := im.inflight
+			im.mu.Unlock()
+			if n == 0 {
+				return
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
 	for phase, reqs := range [][]req{w1, w2} {
 		go func() {
 			h := make([]byte, 28)
@@ -114,6 +150,7 @@ func TestDirectReplies(t *testing.T) {
 				}
 			}
 		}
+		settle()
 		direct[phase] = im.direct.Load()
 	}
 	c.Close()
@@ -123,16 +160,10 @@ func TestDirectReplies(t *testing.T) {
 	if !bytes.Equal(export(t, spec), want) {
 		t.Fatal("image differs from what was written")
 	}
-	// Reads, not only flushes, must have gone out directly in phase 2.
-	flushes := uint64(0)
 	for _, r := range w2 {
 		if r.cmd == 3 {
 			flushes++
 		}
 	}
-	if direct[0] == 0 || direct[1]-direct[0] <= flushes {
-		t.Fatalf("replies sent by the completion callback: %d writes, %d reads and flushes: the test did not test direct replies",
-			direct[0], direct[1]-direct[0])
-	}
-	t.Logf("%d of %d replies sent directly (%d in the read phase)", direct[1], len(w1)+len(w2), direct[1]-direct[0])
+	return direct, flushes
 }

@@ -321,30 +321,66 @@ func (im *Image) reap() {
 		if err := rc.Read(ready); err != nil {
 			return
 		}
-		im.Reap()
+		im.reapAll()
 		if im.stop.Load() {
 			return
 		}
 	}
 }
 
-// Reap finishes every completion queued (nbd.Reaper). Replies go out
-// from here, one send per connection per batch, without waking each
-// connection's writer.
+// Reap finishes completions queued (nbd.Reaper): one batch, and none if
+// the reaper or another connection is at it.
 func (im *Image) Reap() {
+	rs := &im.reaping
+	if im.img.queued() == 0 || !rs.mu.TryLock() {
+		return
+	}
+	if !rs.gone {
+		im.reapBatch()
+	}
+	rs.mu.Unlock()
+}
+
+// Waiting (nbd.Reaper): a connection waits for its requests back. Until
+// it stops, the callback signals every completion, so none of them is
+// held back; those queued before, reap now.
+func (im *Image) Waiting(on bool) {
 	rs := &im.reaping
 	rs.mu.Lock()
 	defer rs.mu.Unlock()
 	if rs.gone {
 		return
 	}
-	for im.img.queued() > 0 {
-		n := im.img.poll(&rs.tags, &rs.rets)
-		for i := range n {
-			im.finish(uint32(rs.tags[i]), rs.rets[i], rs.tags[i]&sentBit != 0, &rs.batch)
-		}
-		rs.batch.Flush()
+	if !on {
+		im.img.addWaiters(-1)
+		return
 	}
+	im.img.addWaiters(1)
+	for im.img.queued() > 0 {
+		im.reapBatch()
+	}
+}
+
+// reapAll finishes every completion queued: what a signal asked for.
+func (im *Image) reapAll() {
+	rs := &im.reaping
+	rs.mu.Lock()
+	defer rs.mu.Unlock()
+	for !rs.gone && im.img.queued() > 0 {
+		im.reapBatch()
+	}
+}
+
+// reapBatch drains up to pollBatch completions and finishes them;
+// replies go out from here, one send per connection per batch, without
+// waking each connection's writer (reaping.mu held).
+func (im *Image) reapBatch() {
+	rs := &im.reaping
+	n := im.img.poll(&rs.tags, &rs.rets)
+	for i := range n {
+		im.finish(uint32(rs.tags[i]), rs.rets[i], rs.tags[i]&sentBit != 0, &rs.batch)
+	}
+	rs.batch.Flush()
 }
 
 // finish completes the request in slot tag with librbd's return value,
