@@ -80,7 +80,20 @@ open(sys.argv[1], "w").write("%f" % (u.ru_utime + u.ru_stime))
 sys.exit(rc)' "$@"
 }
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
+# The serving process's CPU ticks by thread ("tid kind ticks" lines;
+# the kind is the name with its number folded: msgr-worker-0..2 are one
+# kind), to tell where the CPU per I/O goes: librbd's and librados's
+# threads, or the NBD side (our Go threads; rbd-nbd's reader and writer
+# threads).
+thread_ticks() {
+	for t in /proc/"$1"/task/*; do
+		n=$(tr ' ' _ < "$t/comm" | sed 's/[-_]*[0-9]*$//')
+		v=$(awk '{print $14 + $15}' "$t/stat")
+		[ -n "$v" ] && printf '%s %s %s\n' "${t##*/}" "${n:-other}" "$v"
+	done 2>/dev/null
+}
 echo "contender,job,round,iops,bw_kib,map_seconds,cpu_us_per_io,fio_cpu_us_per_io" > "$out/results.csv"
+echo "contender,job,round,threads,cpu_us_per_io" > "$out/threads.csv"
 for r in $(seq 1 "$rounds"); do
 	order=$contenders; [ $((r % 2)) -eq 0 ] && order=$(echo "$contenders" | tr ' ' '\n' | tac | tr '\n' ' ')
 	for c in $order; do
@@ -90,7 +103,7 @@ for r in $(seq 1 "$rounds"); do
 		echo "bench: round $r $c $dev (map ${mt}s)"
 		for j in $jobs; do
 			IFS=: read -r name rw bs qd <<<"$j"
-			spid=$(server_pid $c); t0=$(cpu_ticks "$spid")
+			spid=$(server_pid $c); t0=$(cpu_ticks "$spid"); thread_ticks "$spid" > "$work/threads0"
 			if [ "$c" = direct ]; then
 				target=(--ioengine=rbd --pool=rbd --rbdname=bench --clientname=admin)
 			else
@@ -99,8 +112,9 @@ for r in $(seq 1 "$rounds"); do
 			fio_cpu "$work/fio.cpu" fio --name="$name" "${target[@]}" --rw="$rw" --bs="$bs" \
 				--iodepth="$qd" --size=1G --time_based --runtime="$runtime" --ramp_time=2 \
 				--output-format=json > "$work/fio.json" 2>/dev/null
-			t1=$(cpu_ticks "$spid")
-			python3 - "$work/fio.json" "$c" "$name" "$r" "$mt" "$((t1 - t0))" "$(getconf CLK_TCK)" "$runtime" "$(cat "$work/fio.cpu")" >> "$out/results.csv" <<'PY'
+			t1=$(cpu_ticks "$spid"); thread_ticks "$spid" > "$work/threads1"
+			python3 - "$work/fio.json" "$c" "$name" "$r" "$mt" "$((t1 - t0))" "$(getconf CLK_TCK)" "$runtime" "$(cat "$work/fio.cpu")" \
+				"$work/threads0" "$work/threads1" "$out/threads.csv" >> "$out/results.csv" <<'PY'
 import json, sys
 j = json.load(open(sys.argv[1]))["jobs"][0]
 d = j["read"] if j["read"]["io_bytes"] else j["write"]
@@ -110,6 +124,20 @@ ios = d["iops"] * (runtime + 2)
 cpu = ticks * 1e6 / hz / ios if ios else 0
 fcpu = fio_s * 1e6 / ios if ios else 0
 print(f"{sys.argv[2]},{sys.argv[3]},{sys.argv[4]},{d['iops']:.0f},{d['bw']},{sys.argv[5]},{cpu:.0f},{fcpu:.0f}")
+t0 = {l.split()[0]: int(l.split()[2]) for l in open(sys.argv[10]) if len(l.split()) == 3}
+t1 = [l.split() for l in open(sys.argv[11]) if len(l.split()) == 3]
+by = {}
+for tid, kind, v in t1:
+    by[kind] = by.get(kind, 0) + int(v) - t0.get(tid, 0)
+# Threads that ended during the job took their ticks with them (the
+# process keeps the total): their share is the rest, "(ended)". Our
+# readers end their thread when their socket idles (nbd/idle.go).
+if t1 and ticks > sum(by.values()):
+    by["(ended)"] = ticks - sum(by.values())
+with open(sys.argv[12], "a") as f:
+    for k in sorted(by):
+        if by[k] > 0 and ios:
+            f.write(f"{sys.argv[2]},{sys.argv[3]},{sys.argv[4]},{k},{by[k] * 1e6 / hz / ios:.0f}\n")
 PY
 			tail -1 "$out/results.csv"
 		done
@@ -137,6 +165,22 @@ table("iops", "IOPS", "")
 table("server", "serving process CPU per I/O (librbd's threads included)", "us", skip=("direct",))
 table("total", "serving process + fio CPU per I/O (direct: fio, which runs librbd)", "us")
 print("map time (median): " + ", ".join(f"{names[c]} {st.median(float(r['map_seconds']) for r in rows if r['contender'] == c):.2f}s" for c in cs if c != "direct"))
+# Where the serving process's CPU goes, by kind of thread; a kind absent
+# from a round (no tick) counts as 0 there.
+th = list(csv.DictReader(open(sys.argv[1].replace("results.csv", "threads.csv"))))
+for job in jobs:
+    print(f"\n{job}: serving process CPU per I/O by thread, us, median of rounds")
+    kinds = sorted(set(t["threads"] for t in th if t["job"] == job))
+    tc = [c for c in cs if c != "direct"]
+    print(f"{'threads':<18}" + "".join(f"{names[c]:>14}" for c in tc))
+    for k in kinds:
+        cell = []
+        for c in tc:
+            rs = [r["round"] for r in rows if r["job"] == job and r["contender"] == c]
+            v = [sum(float(t["cpu_us_per_io"]) for t in th if t["job"] == job and t["contender"] == c
+                     and t["round"] == r and t["threads"] == k) for r in rs]
+            cell.append(f"{st.median(v):.0f}" if v and max(v) > 0 else "-")
+        print(f"{k:<18}" + "".join(f"{x:>14}" for x in cell))
 PY
 cat "$out/summary.txt"
 pkill -f "$B daemon"; [ -n "${BENCH_ALT_BIN:-}" ] && pkill -f "$BENCH_ALT_BIN daemon"; sleep 2
