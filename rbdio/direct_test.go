@@ -167,3 +167,21 @@ func directReplies(t *testing.T, noDirect bool) (direct [2]uint64, flushes uint6
 	}
 	return direct, flushes
 }
+
+// TestReapAfterClose: the server's watchdog may reap for a connection
+// that has just ended, after its image was closed and its queue freed.
+func TestReapAfterClose(t *testing.T) {
+	im, err := Open(NewClusters(), opts(), newImage(t, "4M"), OpenOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := do(t, im, nbd.OpWrite, 0, 0, make([]byte, 4096), 4096); err != nil {
+		t.Fatal(err)
+	}
+	if err := im.Close(); err != nil {
+		t.Fatal(err)
+	}
+	im.Reap()
+	im.Waiting(true)
+	im.Waiting(false)
+}

@@ -330,12 +330,16 @@ func (im *Image) reap() {
 
 // Reap finishes completions queued (nbd.Reaper): one batch, and none if
 // the reaper or another connection is at it.
+//
+// The queue is looked at only under the lock, after gone: the watchdog
+// may call this for a connection that has just ended, and its image
+// may be closed, its queue freed.
 func (im *Image) Reap() {
 	rs := &im.reaping
-	if im.img.queued() == 0 || !rs.mu.TryLock() {
+	if !rs.mu.TryLock() {
 		return
 	}
-	if !rs.gone {
+	if !rs.gone && im.img.queued() > 0 {
 		im.reapBatch()
 	}
 	rs.mu.Unlock()
