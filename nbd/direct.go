@@ -104,21 +104,13 @@ func (r *Request) DirectReply() (port unsafe.Pointer, hdr []byte, ok bool) {
 		if r.cmd == cmdWrite && int(r.Length) > c.directMax {
 			return nil, nil, false
 		}
-		h := r.hdr[:simpleReplySize]
-		be.PutUint32(h[0:], magicSimpleReply)
-		be.PutUint32(h[4:], 0)
-		be.PutUint64(h[8:], r.cookie)
-		return unsafe.Pointer(c.port), h, true
+		return unsafe.Pointer(c.port), putSimpleReply(r.hdr[:], 0, r.cookie), true
 	case cmdRead:
 		if r.Length == 0 || len(r.Data) != int(r.Length) || int(r.Length)+structuredHeaderSize+8 > c.directMax {
 			return nil, nil, false
 		}
 		if !c.structured {
-			h := r.hdr[:simpleReplySize]
-			be.PutUint32(h[0:], magicSimpleReply)
-			be.PutUint32(h[4:], 0)
-			be.PutUint64(h[8:], r.cookie)
-			return unsafe.Pointer(c.port), h, true
+			return unsafe.Pointer(c.port), putSimpleReply(r.hdr[:], 0, r.cookie), true
 		}
 		h := r.hdr[:structuredHeaderSize+8]
 		putChunkHeader(h, replyTypeOffsetData, r.cookie, 8+int(r.Length))
@@ -135,9 +127,6 @@ func (r *Request) Sent() {
 	one := [1]*Request{r}
 	c.recycle(one[:])
 }
-
-// Sent is Request.Sent; nothing waits for Flush.
-func (b *Batch) Sent(r *Request) { r.Sent() }
 
 // newPort makes c's reply port if its transport allows direct replies:
 // a detached unix socket and a backend that reaps.

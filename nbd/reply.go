@@ -9,11 +9,7 @@ func (c *conn) appendReply(iov [][]byte, r *Request) [][]byte {
 	if !c.structured || (e == 0 && r.cmd != cmdRead && r.cmd != cmdBlockStatus) {
 		// Simple replies are also allowed with structured replies on,
 		// for anything but READ that carries no payload.
-		h := r.hdr[:simpleReplySize]
-		be.PutUint32(h[0:], magicSimpleReply)
-		be.PutUint32(h[4:], uint32(e))
-		be.PutUint64(h[8:], r.cookie)
-		iov = append(iov, h)
+		iov = append(iov, putSimpleReply(r.hdr[:], e, r.cookie))
 		if e == 0 && r.cmd == cmdRead && r.Length > 0 {
 			iov = r.appendPayload(iov)
 		}
@@ -49,6 +45,15 @@ func (c *conn) appendReply(iov [][]byte, r *Request) [][]byte {
 	putChunkHeader(h, replyTypeOffsetData, r.cookie, 8+int(r.Length))
 	be.PutUint64(h[20:], r.Offset)
 	return r.appendPayload(append(iov, h))
+}
+
+// putSimpleReply encodes a simple reply header at the start of h.
+func putSimpleReply(h []byte, e Errno, cookie uint64) []byte {
+	h = h[:simpleReplySize]
+	be.PutUint32(h[0:], magicSimpleReply)
+	be.PutUint32(h[4:], uint32(e))
+	be.PutUint64(h[8:], cookie)
+	return h
 }
 
 func putChunkHeader(h []byte, typ uint16, cookie uint64, length int) {
