@@ -147,7 +147,9 @@ func TestDirectReplies(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			const size = 4 << 20
 			d := newForeign(size, 4)
-			defer close(d.work)
+			// Cleanups run last-in first-out: the workers stop only
+			// after Shutdown has waited out every reader that submits.
+			t.Cleanup(func() { close(d.work) })
 			// 16 KiB asked, 32 KiB given: 16 KiB reads too large to
 			// offer, 8 KiB ones just small enough.
 			s := NewServer(Config{SendBuffer: 16 << 10, MaxInflight: 64})

@@ -107,7 +107,9 @@ func TestIdleConnectionsGiveThreadsBack(t *testing.T) {
 	_, _, kept, grew, mem := idleConnsCost(t, -1, n)
 	t.Logf("IdleAfter off: %d connections idle: %d more threads blocked in read, %d more threads, %d bytes each",
 		n, kept, grew, mem)
-	if kept < n/2 || grew < n/2 || mem < readBufSize {
+	// Not grew: with -count > 1 the runtime reuses the threads an
+	// earlier run's readers left idle.
+	if kept < n/2 || mem < readBufSize {
 		t.Fatalf("without IdleAfter %d connections held only %d threads blocked in read, %d threads, %d bytes each: the test measures nothing",
 			n, kept, grew, mem)
 	}
