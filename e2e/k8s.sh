@@ -28,7 +28,17 @@ APP=localhost/e2e-app:dev
 jp() { # jp KIND [NAMESPACE/]NAME JSONPATH
 	local ns=default n=$2
 	[[ $n == */* ]] && ns=${n%%/*} n=${n#*/}
-	kubectl -n "$ns" get "$1" "$n" -o jsonpath="$3" 2>/dev/null
+	# A bound on each GET: a wedged apiserver fails the wait, not the run.
+	kubectl -n "$ns" get "$1" "$n" -o jsonpath="$3" --request-timeout=30s 2>/dev/null
+}
+on_scenario_fail() { # the controller pod's containers (driver and sidecars) and recent events
+	local f
+	# From the files the kubelet writes: kubectl logs goes through the
+	# node's name, which nothing here resolves.
+	for f in /var/log/pods/${NS}_rbd-nbd-go-controller-*/*/*.log; do
+		[ -f "$f" ] && { echo "== $f"; tail -30 "$f"; }
+	done
+	timeout 60 kubectl get events -A --sort-by=.lastTimestamp --request-timeout=30s 2>&1 | tail -25
 }
 wait_jp() { # wait_jp SECONDS KIND NAME JSONPATH REGEX: until the field matches
 	local limit=$1 kind=$2 name=$3 path=$4 want=$5 i v
@@ -43,7 +53,8 @@ wait_jp() { # wait_jp SECONDS KIND NAME JSONPATH REGEX: until the field matches
 gone() { # gone SECONDS KIND NAME
 	local i
 	for ((i = 0; i < $1; i++)); do
-		kubectl get "$2" "$3" >/dev/null 2>&1 || return 0
+		# Gone is NotFound, not any failure (a timed-out GET says nothing).
+		kubectl get "$2" "$3" --request-timeout=30s 2>&1 >/dev/null | grep -q NotFound && return 0
 		sleep 1
 	done
 	echo "$2/$3 still there after $1 s" >"$work/why"
@@ -94,7 +105,7 @@ pod_events() { kubectl get events --field-selector involvedObject.name="$1" -o c
 has_event() { # has_event SECONDS NAME REASON REGEX: an event on object NAME
 	local i
 	for ((i = 0; i < $1; i++)); do
-		kubectl get events --field-selector involvedObject.name="$2",reason="$3" -o jsonpath='{range .items[*]}{.message}{"\n"}{end}' 2>/dev/null >"$work/ev"
+		kubectl get events --request-timeout=30s --field-selector involvedObject.name="$2",reason="$3" -o jsonpath='{range .items[*]}{.message}{"\n"}{end}' 2>/dev/null >"$work/ev"
 		grep -qE "$4" "$work/ev" && { log "    event $3: $(grep -E "$4" "$work/ev" | head -1 | cut -c1-200)"; return 0; }
 		sleep 1
 	done
@@ -346,12 +357,7 @@ if [ $fails -eq 0 ]; then
 	for s in "$@"; do run_scenario "$s" "scenario_$s"; done
 fi
 if [ $fails -ne 0 ]; then
-	kubectl get pods -A -o wide 2>&1 | tail -20
-	# From the files the kubelet writes: kubectl logs goes through the
-	# node's name, which nothing here resolves.
-	for f in /var/log/pods/${NS}_rbd-nbd-go-controller-*/rbd-nbd-go/*.log; do
-		[ -f "$f" ] && { echo "== $f"; tail -40 "$f"; }
-	done
+	timeout 60 kubectl get pods -A -o wide --request-timeout=30s 2>&1 | tail -20
 	tail -30 /run/rbd-nbd-go/daemon.log 2>/dev/null
 fi
 k8s_down

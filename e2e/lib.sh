@@ -47,6 +47,9 @@ run_scenario() {
 	if [ $scenario_failed -ne 0 ]; then
 		fails=$((fails + 1)); failed+=("$name")
 		log "FAIL scenario $name (${dt}s)"
+		# A suite's own evidence (k8s.sh: the controller's and sidecars'
+		# logs), now: a later step may hang and the run be cut off.
+		if declare -F on_scenario_fail >/dev/null; then on_scenario_fail; fi
 		tail -20 /run/rbd-nbd-go/daemon.log 2>/dev/null
 		dmesg | tail -20
 	else
