@@ -11,24 +11,31 @@
 // box it did about 3,000 rounds a second at 4k QD32, each a nanosleep
 // and a context switch, 19 µs of CPU per I/O: a third of the Go side's.
 //
-// Linux rounds a thread's timer up by its timer slack. With 1 ms of slack
-// on sysmon, its rounds are at most a thousand a second. What sysmon does
-// becomes up to 1 ms later: retaking the P of a long system call (the
+// Linux rounds a thread's timer up by its timer slack. With 4 ms of slack
+// on sysmon, its rounds are at most 250 a second. What sysmon does
+// becomes up to 4 ms later: retaking the P of a long system call (the
 // daemon keeps spare Ps, so work never waits for one) and the 10 ms
 // preemption and network poll. A new thread inherits its creator's
 // slack, and sysmon sometimes starts the thread that takes over a P it
 // retook; so some Go threads (and librados threads they start) carry the
-// slack too, and their timed waits may end up to 1 ms late. Nothing on
+// slack too, and their timed waits may end up to 4 ms late. Nothing on
 // the I/O path is timed: requests and completions wake threads through
 // sockets, eventfds and futex wake-ups, which slack does not delay, and
-// the timeouts that are (seconds, in Go and in Ceph) do not notice a
-// millisecond. That is also why MaxSlack bounds what EnvSlack may ask.
+// the timeouts that are (a reader's SO_RCVTIMEO runs on the timer wheel,
+// which slack does not touch; the rest are seconds, in Go and in Ceph)
+// do not notice a few milliseconds. That is also why MaxSlack bounds
+// what EnvSlack may ask.
 //
 // Measured, kernel NBD in the project's TCG VM at 4k QD32 (CPU of the
 // serving process per I/O against Ceph's rbd-nbd, medians over three
 // runs with rbd-nbd in each): no slack 1.25x (reads) and 1.26x (writes),
 // 1 ms 1.07x and 1.08x, 4 ms 1.11x and 1.07x. Rounds swing by 40 %
-// there; 1 and 4 ms cannot be told apart, and 1 ms changes sysmon less.
+// there, so whole-process CPU could not rank 1 and 4 ms. Sysmon's own
+// thread, counted per thread (perf stat --per-thread, 3 rounds each, same
+// binary; bench/reference/vm/2026-11-26-sysmon) can: with 1 ms it woke
+// 0.84-0.98 times per I/O and spent 77-99 µs of CPU per I/O (a TCG
+// round costs about 90 µs: a nanosleep, a context switch and HPET clock
+// reads), with 4 ms 0.27-0.40 times and 23-46 µs.
 package sysmon
 
 import (
@@ -43,7 +50,7 @@ import (
 )
 
 // DefaultSlack is the timer slack Relax gives sysmon.
-const DefaultSlack = time.Millisecond
+const DefaultSlack = 4 * time.Millisecond
 
 // EnvSlack names the environment variable that overrides DefaultSlack
 // for Setup: a Go duration up to MaxSlack, 0 to leave sysmon alone (for

@@ -135,14 +135,15 @@ func TestSetupEnv(t *testing.T) {
 	path := "/proc/" + strconv.Itoa(tid) + "/timerslack_ns"
 	old, _ := os.ReadFile(path)
 	defer os.WriteFile(path, old, 0)
+	def := strconv.FormatInt(DefaultSlack.Nanoseconds(), 10)
 	for _, c := range []struct {
 		env, want string
 		warn      bool
 	}{
 		{"2ms", "2000000", false},
-		{"1h", "1000000", true},     // above MaxSlack: the default
-		{"-1ms", "1000000", true},   // negative
-		{"1000", "1000000", true},   // no unit
+		{"1h", def, true},           // above MaxSlack: the default
+		{"-1ms", def, true},         // negative
+		{"1000", def, true},         // no unit
 		{"0", "50000", false},       // left alone
 		{"10ms", "10000000", false}, // MaxSlack itself
 	} {
