@@ -1,3 +1,6 @@
+# Tables of perthread.sh's output: per contender, job and round, CPU per
+# I/O, sysmon's wake-ups and CPU per I/O, and the NBD side's CPU (our Go
+# threads, or rbd-nbd's reader and writer). Usage: analyze.py OUT
 import csv, collections, sys, os
 d=sys.argv[1]
 rows=[l.strip().split(',') for l in open(os.path.join(d,'summary.txt')) if not l.startswith('#') and l.strip()]
@@ -20,9 +23,11 @@ for c,j,rnd,iops,cpu,*_ in rows:
         if ns:
             tid=ns.most_common(1)[0][0]; m=[k for k in th if k.endswith('-'+tid)]; sm=m[0] if m else None
     if sm is None and c!='ceph':
-        # the Go thread with the most context switches per CPU ms and low CPU: fall back to the lowest tid Go thread with csw
+        # Never seen in nanosleep: take the first Go thread that ran,
+        # which is sysmon (internal/sysmon: the first thread made after
+        # the main one, and the main thread sleeps); marked "?".
         cands=[k for k in th if k.startswith('rbd-nbd-go') and csw.get(k,0)>0]
-        sm=min(cands,key=lambda k:int(k.rsplit('-',1)[1])+0) if cands else None
+        sm=min(cands,key=lambda k:int(k.rsplit('-',1)[1])) if cands else None
         sm_note='?'
     else: sm_note=''
     nbd=sum(v for k,v in th.items() if k.startswith(('rbd-nbd-go','rbd_reader','rbd_writer')))*1e3/ios

@@ -7,7 +7,7 @@
 # context switch: compare contenders within a run, not with e2e/bench.sh.
 #   scripts/vm/vm.sh --share OUT -- perthread.sh OUT; analyze.py OUT
 set -uo pipefail
-cd /work/main
+cd "$(dirname "$0")/../../../.."
 out=$1; mkdir -p "$out"
 B=$PWD/bin/rbd-nbd-go
 ALT=${ALT:?another build, or the same with ALT_ENV}
