@@ -53,8 +53,10 @@ wait_jp() { # wait_jp SECONDS KIND NAME JSONPATH REGEX: until the field matches
 gone() { # gone SECONDS KIND NAME
 	local i
 	for ((i = 0; i < $1; i++)); do
-		# Gone is NotFound, not any failure (a timed-out GET says nothing).
-		kubectl get "$2" "$3" --request-timeout=30s 2>&1 >/dev/null | grep -q NotFound && return 0
+		# Gone is NotFound, not any failure (a timed-out GET says
+		# nothing). Not a pipe into grep: with pipefail, kubectl's own
+		# failure would fail the pipe.
+		[[ $(kubectl get "$2" "$3" --request-timeout=30s 2>&1 >/dev/null) == *NotFound* ]] && return 0
 		sleep 1
 	done
 	echo "$2/$3 still there after $1 s" >"$work/why"
