@@ -67,8 +67,9 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz FuzzTransmission -fuzztime 30s ./nbd/
 
 # Go benchmarks (allocations), then fio: rbd-nbd-go vs nbdkit memory/null
-# (bench/results/nbd) and vs direct librbd and go-ceph's sync path on a dev
-# Ceph cluster (bench/results/rbd). JSON, Markdown table and SVG chart each.
+# (bench/results/nbd) and vs direct librbd, go-ceph's sync path and qemu-nbd
+# on a dev Ceph cluster (bench/results/rbd). JSON, Markdown table and SVG
+# chart each.
 bench: deps build
 	mkdir -p bench/results
 	$(GO) test -run '^$$' -bench . -benchmem ./nbd/ ./rbdio/ | tee bench/results/go-bench.txt

@@ -9,6 +9,7 @@ pkgs=(
   python3-libnbd # nbdsh's python binding
   nbdkit         # peer server for the bench
   qemu-utils     # qemu-io, qemu-img
+  qemu-block-extra # qemu-nbd's rbd driver: the host bench's NBD peer on librbd
   ceph-mon ceph-osd ceph-common # the dev cluster (scripts/ceph-dev-cluster), rbd tool
   librbd-dev librados-dev       # cgo headers and libraries for rbdio
   libradospp-dev g++            # librbd's C++ API: lent reads (rbdio/lend.cc)

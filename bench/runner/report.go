@@ -62,11 +62,24 @@ type jobSummary struct {
 	// round (the two ran minutes apart at most): their spread is the
 	// box's noise, shown beside the ratio of medians.
 	RoundRatios []float64 `json:"round_iops_ratios"`
+	// Peer holds the subject's ratios to the report's peer, if it ran.
+	Peer *peerRatios `json:"peer_ratios,omitempty"`
+}
+
+// peerRatios compare the subject with another NBD server behind the same
+// client: what is left over there is the cost of the design, not of the
+// NBD hop that any server in front of librbd pays.
+type peerRatios struct {
+	IOPS, ServerCPU, FioServerCPU, BoxCPU float64
+	// RoundBoxCPU is the subject's box CPU per I/O over the peer's in
+	// each round: the spread shows how far the medians can be trusted.
+	RoundBoxCPU []float64 `json:"round_box_cpu_ratios"`
 }
 
 type report struct {
 	Targets  map[string]target `json:"targets"`
 	Baseline string            `json:"baseline"`
+	Peer     string            `json:"peer,omitempty"`
 	Subject  string            `json:"subject"`
 	Servers  []string          `json:"servers"`
 	Jobs     []jobSummary      `json:"jobs"`
@@ -114,6 +127,35 @@ func summarize(samples []sample, jobs []string, servers []server, baseline, subj
 		r.Jobs = append(r.Jobs, js)
 	}
 	return r
+}
+
+// addPeer sets every job's ratios of the subject to peer, where the
+// peer ran.
+func (r *report) addPeer(samples []sample, peer string) {
+	if peer == "" || !slices.Contains(r.Servers, peer) {
+		return
+	}
+	r.Peer = peer
+	for i := range r.Jobs {
+		j := &r.Jobs[i]
+		s, p := j.Servers[r.Subject], j.Servers[peer]
+		if p.IOPS == 0 {
+			continue
+		}
+		j.Peer = &peerRatios{IOPS: iopsMeasure.ratio(s, p), ServerCPU: serverCPUMeasure.ratio(s, p),
+			FioServerCPU: fioServerCPUMeasure.ratio(s, p), BoxCPU: boxCPUMeasure.ratio(s, p)}
+		box := map[int]float64{}
+		for _, x := range samples {
+			if x.Job == j.Job && x.Server == peer && x.BoxCPUusPerIO > 0 {
+				box[x.Round] = x.BoxCPUusPerIO
+			}
+		}
+		for _, x := range samples {
+			if b, ok := box[x.Round]; ok && x.Job == j.Job && x.Server == r.Subject {
+				j.Peer.RoundBoxCPU = append(j.Peer.RoundBoxCPU, x.BoxCPUusPerIO/b)
+			}
+		}
+	}
 }
 
 // roundRatios pairs subject and baseline samples of job by round.
@@ -174,6 +216,22 @@ func markdown(r report, title string, runtime, rounds int) string {
 		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s | %s |\n", j.Job, ratio, ratioCell(j.CPURatio),
 			ratioCell(j.TotalCPURatio), ratioCell(j.BoxCPURatio), verdict, strings.Join(others, ", "))
 	}
+	if r.Peer != "" {
+		fmt.Fprintf(&b, "\n## Against the NBD peer\n\n%s ÷ %s: the same fio client and librbd, another NBD server.\n\n"+
+			"| job | IOPS ratio | server CPU/IO ratio | fio+server CPU/IO ratio | box CPU/IO ratio | box ratio by round |\n"+
+			"|---|---:|---:|---:|---:|---|\n", r.Subject, r.Peer)
+		for _, j := range r.Jobs {
+			if p := j.Peer; p != nil {
+				rounds := "—"
+				if len(p.RoundBoxCPU) > 0 {
+					rounds = fmt.Sprintf("median %.2f× (%.2f–%.2f)", median(p.RoundBoxCPU),
+						slices.Min(p.RoundBoxCPU), slices.Max(p.RoundBoxCPU))
+				}
+				fmt.Fprintf(&b, "| %s | %.2f× | %s | %s | %s | %s |\n", j.Job, p.IOPS, ratioCell(p.ServerCPU),
+					ratioCell(p.FioServerCPU), ratioCell(p.BoxCPU), rounds)
+			}
+		}
+	}
 	return b.String()
 }
 
@@ -232,7 +290,7 @@ func chart(r report) string {
 	const (
 		w, panelH, top, left, gap = 900, 260, 40, 60, 24
 	)
-	colors := []string{"#2b6cb0", "#dd6b20", "#718096", "#38a169"}
+	colors := []string{"#2b6cb0", "#dd6b20", "#718096", "#38a169", "#805ad5"}
 	groupW := (w - left - 30) / max(1, len(r.Jobs))
 	barW := (groupW - gap) / max(1, len(r.Servers))
 	type panel struct {

@@ -90,3 +90,50 @@ func TestChartNBDKeepsServerCPU(t *testing.T) {
 		t.Errorf("server CPU bar %v, want [0.67]", got)
 	}
 }
+
+// The subject is also reported against the peer NBD server, per job and
+// per round, and only where the peer ran.
+func TestPeerRatios(t *testing.T) {
+	var samples []sample
+	for round, box := range []float64{200, 180, 220} {
+		samples = append(samples,
+			sample{Server: "librbd-direct", Job: "randwrite-4k-qd32", Round: round + 1, IOPS: 9000,
+				ClientCPUusPerIO: 60, BoxCPUusPerIO: 150},
+			sample{Server: "rbd-nbd-go", Job: "randwrite-4k-qd32", Round: round + 1, IOPS: 8000,
+				CPUusPerIO: 60, ClientCPUusPerIO: 14, BoxCPUusPerIO: box},
+			sample{Server: "qemu-nbd", Job: "randwrite-4k-qd32", Round: round + 1, IOPS: 7000,
+				CPUusPerIO: 80, ClientCPUusPerIO: 14, BoxCPUusPerIO: 200},
+			sample{Server: "librbd-direct", Job: "read-1m-qd8", Round: round + 1, IOPS: 1000,
+				ClientCPUusPerIO: 600, BoxCPUusPerIO: 1500},
+			sample{Server: "rbd-nbd-go", Job: "read-1m-qd8", Round: round + 1, IOPS: 900,
+				CPUusPerIO: 700, ClientCPUusPerIO: 300, BoxCPUusPerIO: 1800})
+	}
+	servers := []server{{Name: "librbd-direct"}, {Name: "rbd-nbd-go"}, {Name: "qemu-nbd"}}
+	r := summarize(samples, []string{"randwrite-4k-qd32", "read-1m-qd8"}, servers, "librbd-direct", "rbd-nbd-go")
+	r.addPeer(samples, "qemu-nbd")
+	p := r.Jobs[0].Peer
+	if p == nil {
+		t.Fatal("no peer ratios for a job the peer ran")
+	}
+	near := func(a, b float64) bool { return math.Abs(a-b) < 1e-9 }
+	if !near(p.IOPS, 8000.0/7000) || !near(p.ServerCPU, 0.75) || !near(p.FioServerCPU, 74.0/94) || !near(p.BoxCPU, 1) {
+		t.Errorf("peer ratios %+v", *p)
+	}
+	if !slices.Equal(p.RoundBoxCPU, []float64{1, 0.9, 1.1}) {
+		t.Errorf("round box ratios %v, want [1 0.9 1.1]", p.RoundBoxCPU)
+	}
+	if r.Jobs[1].Peer != nil {
+		t.Errorf("peer ratios %+v for a job the peer did not run", *r.Jobs[1].Peer)
+	}
+	md := markdown(r, "t", 10, 3)
+	if !strings.Contains(md, "| randwrite-4k-qd32 | 1.14× | 0.75× | 0.79× | 1.00× | median 1.00× (0.90–1.10) |") {
+		t.Errorf("markdown lacks the peer row:\n%s", md)
+	}
+
+	// Without the peer among the servers run, no peer section at all.
+	r = summarize(samples, []string{"randwrite-4k-qd32"}, servers[:2], "librbd-direct", "rbd-nbd-go")
+	r.addPeer(samples, "qemu-nbd")
+	if r.Peer != "" || strings.Contains(markdown(r, "t", 10, 3), "NBD peer") {
+		t.Error("peer section without the peer run")
+	}
+}

@@ -14,6 +14,10 @@ type suite struct {
 	title    string
 	jobsDir  string
 	baseline string
+	// peer, if set, is another NBD server in front of the same storage,
+	// behind the same fio client: the subject is also reported against
+	// it, since the baseline may have no NBD hop at all.
+	peer     string
 	servers  []server
 	targets  map[string]target
 	setup    func(tmp, size string) ([]string, error) // returns the environment
@@ -55,10 +59,11 @@ func newSuite(name, bin string) (*suite, error) {
 }
 
 // rbdSuite compares, on one dev cluster, fio's rbd engine (librbd direct:
-// the ceiling), fio → NBD → rbd-nbd-go → librbd aio, and the same over
-// go-ceph's synchronous calls. The memstore cluster is recreated every
-// round: its memory grows with every overwrite. altBin, if set, adds
-// another build of rbd-nbd-go (both modes) for an A/B in the same run.
+// the ceiling), fio → NBD → rbd-nbd-go → librbd aio, the same over
+// go-ceph's synchronous calls, and QEMU's C NBD server on the same librbd
+// (the peer). The memstore cluster is recreated for every run: it grows
+// with every overwrite. altBin, if set, adds another build of rbd-nbd-go
+// (both modes) for an A/B in the same run.
 func rbdSuite(bin, altBin string) *suite {
 	const image = "rbd/bench"
 	var dir string
@@ -66,6 +71,7 @@ func rbdSuite(bin, altBin string) *suite {
 		title:    "RBD: fio `rbd` engine (direct librbd) vs fio `nbd` → rbd-nbd-go → librbd, one-OSD memstore cluster, 1 GiB image",
 		jobsDir:  "bench/jobs-rbd",
 		baseline: "librbd-direct",
+		peer:     "qemu-nbd",
 		servers: []server{
 			{"librbd-direct", nil, func(string) []string {
 				return []string{"--ioengine=rbd", "--pool=rbd", "--rbdname=bench", "--clientname=admin"}
@@ -78,6 +84,17 @@ func rbdSuite(bin, altBin string) *suite {
 			}, nbdFio, false},
 			{"go-ceph-sync", func(s, _ string) []string {
 				return []string{bin, "serve", "--socket", s, "rbd-sync:" + image}
+			}, nbdFio, false},
+			// The C peer on the same librbd: QEMU's NBD server and rbd
+			// block driver (qemu-block-extra). --cache=none turns
+			// librbd's cache off, as ours is; -t keeps it serving
+			// after a client leaves; CEPH_CONF is in its environment.
+			// Its writes are the yardstick for the NBD hop, its reads
+			// are not: to send holes as holes it asks librbd for block
+			// status (rbd_diff_iterate2) before every read once the
+			// client negotiates structured replies, as fio's does.
+			{"qemu-nbd", func(s, _ string) []string {
+				return []string{"qemu-nbd", "-t", "-k", s, "-f", "raw", "--cache=none", "rbd:" + image + ":id=admin"}
 			}, nbdFio, false},
 		},
 		targets: map[string]target{
