@@ -137,3 +137,42 @@ func TestPeerRatios(t *testing.T) {
 		t.Error("peer section without the peer run")
 	}
 }
+
+// A far outlier is drawn to the panel's top and no higher, with its true
+// ratio, so the other bars keep their scale.
+func TestChartClipsOutliers(t *testing.T) {
+	samples := []sample{
+		{Server: "librbd-direct", Job: "randread-4k-qd32", Round: 1, IOPS: 30000, ClientCPUusPerIO: 30, BoxCPUusPerIO: 50},
+		{Server: "rbd-nbd-go", Job: "randread-4k-qd32", Round: 1, IOPS: 24000, CPUusPerIO: 31, ClientCPUusPerIO: 11, BoxCPUusPerIO: 60},
+		{Server: "qemu-nbd", Job: "randread-4k-qd32", Round: 1, IOPS: 4000, CPUusPerIO: 170, ClientCPUusPerIO: 24, BoxCPUusPerIO: 250},
+	}
+	servers := []server{{Name: "librbd-direct"}, {Name: "rbd-nbd-go"}, {Name: "qemu-nbd"}}
+	svg := chart(summarize(samples, []string{"randread-4k-qd32"}, servers, "librbd-direct", "rbd-nbd-go"))
+	re := regexp.MustCompile(`height="([0-9.]+)" fill="[^"]+"><title>(\S+) \S+: ([0-9.]+)×</title>`)
+	var box map[string]float64 // the second panel's bar heights
+	panel := 0
+	for _, m := range re.FindAllStringSubmatch(svg, -1) {
+		if m[2] == "librbd-direct" {
+			panel++
+			if panel == 2 {
+				box = map[string]float64{}
+			}
+		}
+		if panel == 2 {
+			h, _ := strconv.ParseFloat(m[1], 64)
+			box[m[2]] = h
+			if m[2] == "qemu-nbd" && m[3] != "5.00" {
+				t.Errorf("clipped bar's tooltip %s×, want the true 5.00×", m[3])
+			}
+		}
+	}
+	if box == nil {
+		t.Fatal("no box CPU panel")
+	}
+	if want := box["librbd-direct"] * 3; math.Abs(box["qemu-nbd"]-want) > 0.2 {
+		t.Errorf("5x bar %.1f px high, want it clipped at 3x (%.1f px)", box["qemu-nbd"], want)
+	}
+	if !strings.Contains(svg, `fill="white">5.00</text>`) {
+		t.Error("clipped bar's label is not inside it")
+	}
+}
