@@ -70,7 +70,10 @@ type jobSummary struct {
 // client: what is left over there is the cost of the design, not of the
 // NBD hop that any server in front of librbd pays.
 type peerRatios struct {
-	IOPS, ServerCPU, FioServerCPU, BoxCPU float64
+	IOPS         float64 `json:"iops_ratio"`
+	ServerCPU    float64 `json:"cpu_per_io_ratio"`
+	FioServerCPU float64 `json:"total_cpu_per_io_ratio"`
+	BoxCPU       float64 `json:"box_cpu_per_io_ratio"`
 	// RoundBoxCPU is the subject's box CPU per I/O over the peer's in
 	// each round: the spread shows how far the medians can be trusted.
 	RoundBoxCPU []float64 `json:"round_box_cpu_ratios"`
