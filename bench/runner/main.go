@@ -29,8 +29,8 @@ type server struct {
 	argv func(sock, size string) []string // nil: fio talks to the storage itself
 	fio  func(sock string) []string
 	// empty: the export starts empty (a memory export), so read jobs
-	// prefill it first; RBD images are filled once at setup, and
-	// refilling them per job would only grow the memstore OSD.
+	// prefill it first; RBD images are filled by the suite's setup,
+	// which runs before every job of every contender.
 	empty bool
 }
 

@@ -121,7 +121,7 @@ func summarize(samples []sample, jobs []string, servers []server, baseline, subj
 			js.Servers[srv] = cell{median(iops), median(mib), median(p99), median(cpu), median(client),
 				median(box), median(busy)}
 		}
-		js.RoundRatios = roundRatios(samples, job, baseline, subject)
+		js.RoundRatios = roundRatios(samples, job, baseline, subject, func(s sample) float64 { return s.IOPS })
 		s, b := js.Servers[subject], js.Servers[baseline]
 		js.IOPSRatio = iopsMeasure.ratio(s, b)
 		js.CPURatio = serverCPUMeasure.ratio(s, b)
@@ -147,32 +147,24 @@ func (r *report) addPeer(samples []sample, peer string) {
 		}
 		j.Peer = &peerRatios{IOPS: iopsMeasure.ratio(s, p), ServerCPU: serverCPUMeasure.ratio(s, p),
 			FioServerCPU: fioServerCPUMeasure.ratio(s, p), BoxCPU: boxCPUMeasure.ratio(s, p)}
-		box := map[int]float64{}
-		for _, x := range samples {
-			if x.Job == j.Job && x.Server == peer && x.BoxCPUusPerIO > 0 {
-				box[x.Round] = x.BoxCPUusPerIO
-			}
-		}
-		for _, x := range samples {
-			if b, ok := box[x.Round]; ok && x.Job == j.Job && x.Server == r.Subject {
-				j.Peer.RoundBoxCPU = append(j.Peer.RoundBoxCPU, x.BoxCPUusPerIO/b)
-			}
-		}
+		j.Peer.RoundBoxCPU = roundRatios(samples, j.Job, peer, r.Subject,
+			func(s sample) float64 { return s.BoxCPUusPerIO })
 	}
 }
 
-// roundRatios pairs subject and baseline samples of job by round.
-func roundRatios(samples []sample, job, baseline, subject string) []float64 {
+// roundRatios pairs subject's and other's samples of job by round and
+// gives subject's figure (val) over other's in each.
+func roundRatios(samples []sample, job, other, subject string, val func(sample) float64) []float64 {
 	base := map[int]float64{}
 	for _, s := range samples {
-		if s.Job == job && s.Server == baseline && s.IOPS > 0 {
-			base[s.Round] = s.IOPS
+		if s.Job == job && s.Server == other && val(s) > 0 {
+			base[s.Round] = val(s)
 		}
 	}
 	var out []float64
 	for _, s := range samples {
 		if b, ok := base[s.Round]; ok && s.Job == job && s.Server == subject {
-			out = append(out, s.IOPS/b)
+			out = append(out, val(s)/b)
 		}
 	}
 	return out
