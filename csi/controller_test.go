@@ -2,8 +2,6 @@ package csi
 
 import (
 	"context"
-	"os"
-	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -169,99 +167,4 @@ func TestExpandVolume(t *testing.T) {
 	_, err = r.d.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: v.VolumeId,
 		CapacityRange: &csi.CapacityRange{RequiredBytes: 4 << 20}})
 	wantCode(t, "expand without secrets", err, codes.InvalidArgument, "userID")
-}
-
-func TestListVolumesAndCapacity(t *testing.T) {
-	r := newRig(t)
-	ctx := context.Background()
-	for _, n := range []string{"a", "b", "c", "d", "e"} {
-		r.create(t, n, 1<<20, nil)
-	}
-	var ids []string
-	token := ""
-	for {
-		resp, err := r.d.ListVolumes(ctx, &csi.ListVolumesRequest{MaxEntries: 2, StartingToken: token})
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, e := range resp.Entries {
-			ids = append(ids, e.Volume.VolumeId)
-		}
-		if token = resp.NextToken; token == "" {
-			break
-		}
-	}
-	if len(ids) != 5 {
-		t.Fatalf("listed %v", ids)
-	}
-	_, err := r.d.ListVolumes(ctx, &csi.ListVolumesRequest{StartingToken: "invalid-token"})
-	wantCode(t, "bad token", err, codes.Aborted)
-	_, err = r.d.ListVolumes(ctx, &csi.ListVolumesRequest{StartingToken: "99"})
-	wantCode(t, "token past the end", err, codes.Aborted)
-	resp, err := r.d.GetCapacity(ctx, &csi.GetCapacityRequest{Parameters: map[string]string{"clusterID": "c1", "pool": "rbd"}})
-	if err != nil || resp.AvailableCapacity != 5<<30 {
-		t.Fatalf("capacity %+v %v", resp, err)
-	}
-	if resp, err := r.d.GetCapacity(ctx, &csi.GetCapacityRequest{}); err != nil || resp.AvailableCapacity != 0 {
-		t.Fatalf("capacity without parameters %+v %v", resp, err)
-	}
-	_, err = r.d.GetCapacity(ctx, &csi.GetCapacityRequest{Parameters: map[string]string{"clusterID": "ns"}})
-	wantCode(t, "no credentials yet", err, codes.Unavailable)
-	// A restarted controller with its own Secret lists at once.
-	sec := filepath.Join(r.dir, "secret")
-	os.MkdirAll(sec, 0o700)
-	os.WriteFile(filepath.Join(sec, "userID"), []byte("csi\n"), 0o600)
-	os.WriteFile(filepath.Join(sec, "userKey"), []byte("AQDkey\n"), 0o600)
-	cfg := r.d.cfg
-	cfg.ControllerSecretDir = sec
-	d2, err := New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if resp, err := d2.ListVolumes(ctx, &csi.ListVolumesRequest{}); err != nil || len(resp.Entries) != 5 {
-		t.Fatalf("a fresh controller with a Secret lists %v %v", resp, err)
-	}
-}
-
-func TestControllerPublish(t *testing.T) {
-	r := newRig(t)
-	ctx := context.Background()
-	v := r.create(t, "pvc-p", 1<<20, nil)
-	c := mountCap("ext4", rwo)
-	for _, tc := range []struct {
-		name string
-		req  *csi.ControllerPublishVolumeRequest
-		code codes.Code
-	}{
-		{"no volume", &csi.ControllerPublishVolumeRequest{NodeId: "node-1", VolumeCapability: c}, codes.InvalidArgument},
-		{"no node", &csi.ControllerPublishVolumeRequest{VolumeId: v.VolumeId, VolumeCapability: c}, codes.InvalidArgument},
-		{"no capability", &csi.ControllerPublishVolumeRequest{VolumeId: v.VolumeId, NodeId: "node-1"}, codes.InvalidArgument},
-		{"unknown node", &csi.ControllerPublishVolumeRequest{VolumeId: v.VolumeId, NodeId: "fake-node-id-1", VolumeCapability: c}, codes.NotFound},
-		{"malformed volume", &csi.ControllerPublishVolumeRequest{VolumeId: "fake-vol-id-1", NodeId: "node-1", VolumeCapability: c}, codes.NotFound},
-		{"missing volume", &csi.ControllerPublishVolumeRequest{VolumeId: "nbd1/c1/rbd//nope", NodeId: "node-1", VolumeCapability: c}, codes.NotFound},
-	} {
-		_, err := r.d.ControllerPublishVolume(ctx, tc.req)
-		wantCode(t, tc.name, err, tc.code)
-	}
-	resp, err := r.d.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: v.VolumeId,
-		NodeId: "node-1", VolumeCapability: mountCap("ext4", csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY)})
-	if err != nil || resp.PublishContext[publishReadOnly] != "true" {
-		t.Fatalf("publish %+v %v", resp, err)
-	}
-	if _, err := r.d.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: "gone", NodeId: "node-1"}); err != nil {
-		t.Fatal(err)
-	}
-	vr, err := r.d.ValidateVolumeCapabilities(ctx, &csi.ValidateVolumeCapabilitiesRequest{VolumeId: v.VolumeId,
-		VolumeCapabilities: []*csi.VolumeCapability{c}})
-	if err != nil || vr.Confirmed == nil {
-		t.Fatalf("validate %+v %v", vr, err)
-	}
-	vr, err = r.d.ValidateVolumeCapabilities(ctx, &csi.ValidateVolumeCapabilitiesRequest{VolumeId: v.VolumeId,
-		VolumeCapabilities: []*csi.VolumeCapability{mountCap("ext4", csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)}})
-	if err != nil || vr.Confirmed != nil || vr.Message == "" {
-		t.Fatalf("validate of a shared filesystem %+v %v", vr, err)
-	}
-	_, err = r.d.ValidateVolumeCapabilities(ctx, &csi.ValidateVolumeCapabilitiesRequest{VolumeId: "fake-vol-id-x",
-		VolumeCapabilities: []*csi.VolumeCapability{c}})
-	wantCode(t, "validate unknown", err, codes.NotFound)
 }

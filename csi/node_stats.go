@@ -6,10 +6,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"path/filepath"
-	"strconv"
-	"strings"
-	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
@@ -19,28 +15,6 @@ import (
 
 	"github.com/rbd-nbd-go/rbd-nbd-go/control"
 )
-
-func (d *Driver) NodeGetInfo(context.Context, *csi.NodeGetInfoRequest) (*csi.NodeGetInfoResponse, error) {
-	// No per-node volume limit: netlink creates /dev/nbdN on demand.
-	return &csi.NodeGetInfoResponse{NodeId: d.cfg.NodeID}, nil
-}
-
-func (d *Driver) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilitiesRequest) (*csi.NodeGetCapabilitiesResponse, error) {
-	var caps []*csi.NodeServiceCapability
-	for _, t := range []csi.NodeServiceCapability_RPC_Type{
-		csi.NodeServiceCapability_RPC_STAGE_UNSTAGE_VOLUME,
-		csi.NodeServiceCapability_RPC_GET_VOLUME_STATS,
-		csi.NodeServiceCapability_RPC_EXPAND_VOLUME,
-		csi.NodeServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
-		// Volume condition moved from NodeGetVolumeStats to
-		// NodeGetVolumeHealth in CSI 1.13.
-		csi.NodeServiceCapability_RPC_GET_VOLUME_HEALTH,
-	} {
-		caps = append(caps, &csi.NodeServiceCapability{Type: &csi.NodeServiceCapability_Rpc{
-			Rpc: &csi.NodeServiceCapability_RPC{Type: t}}})
-	}
-	return &csi.NodeGetCapabilitiesResponse{Capabilities: caps}, nil
-}
 
 // NodeGetVolumeStats: bytes and inodes of a filesystem; for raw block
 // the capacity and, on fast-diff images, the bytes the image actually
@@ -94,74 +68,6 @@ func blockSize(path string) (uint64, error) {
 	defer f.Close()
 	n, err := f.Seek(0, io.SeekEnd)
 	return uint64(n), err
-}
-
-// NodeExpandVolume waits until the device shows the new size (the
-// daemon's update watch on the image reconfigures the kernel device
-// after ControllerExpand), then grows the filesystem.
-func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolumeRequest) (*csi.NodeExpandVolumeResponse, error) {
-	id, path := req.GetVolumeId(), req.GetVolumePath()
-	if err := require("volume ID", id, "volume path", path); err != nil {
-		return nil, err
-	}
-	fi, err := statVolumePath(path)
-	if err != nil {
-		return nil, err
-	}
-	release, err := d.locks.acquire(id)
-	if err != nil {
-		return nil, err
-	}
-	defer release()
-	dev, err := d.deviceOf(ctx, id)
-	if err != nil {
-		return nil, err
-	}
-	if dev == "" {
-		return nil, status.Errorf(codes.NotFound, "volume %s is not mapped on this node", id)
-	}
-	want := uint64(req.GetCapacityRange().GetRequiredBytes())
-	size, err := d.waitDeviceSize(ctx, dev, want)
-	if err != nil {
-		return nil, err
-	}
-	block := fi.Mode()&os.ModeDevice != 0 || req.GetVolumeCapability().GetBlock() != nil
-	if !block {
-		if _, err := mount.NewResizeFs(d.cfg.Mounter.Exec).Resize(dev, path); err != nil {
-			return nil, status.Errorf(codes.Internal, "grow the filesystem on %s: %v", dev, err)
-		}
-		d.log.Info("grew filesystem", "volume", id, "device", dev, "size", size)
-	}
-	return &csi.NodeExpandVolumeResponse{CapacityBytes: int64(size)}, nil
-}
-
-// waitDeviceSize polls /sys/block/nbdN/size until it reaches want bytes
-// (0: any), bounded by DeviceWait.
-func (d *Driver) waitDeviceSize(ctx context.Context, dev string, want uint64) (uint64, error) {
-	sysSize := filepath.Join(d.cfg.SysBlock, filepath.Base(dev), "size")
-	deadline := time.Now().Add(d.cfg.DeviceWait)
-	for {
-		b, err := os.ReadFile(sysSize)
-		if err != nil {
-			return 0, status.Errorf(codes.Internal, "size of %s: %v", dev, err)
-		}
-		sectors, err := strconv.ParseUint(strings.TrimSpace(string(b)), 10, 64)
-		if err != nil {
-			return 0, status.Errorf(codes.Internal, "size of %s: %v", dev, err)
-		}
-		if size := sectors * 512; size >= want {
-			return size, nil
-		}
-		if time.Now().After(deadline) {
-			return 0, status.Errorf(codes.DeadlineExceeded, "%s is still %d bytes, not %d, after %s",
-				dev, sectors*512, want, d.cfg.DeviceWait)
-		}
-		select {
-		case <-ctx.Done():
-			return 0, status.FromContextError(ctx.Err()).Err()
-		case <-time.After(200 * time.Millisecond):
-		}
-	}
 }
 
 // NodeGetVolumeHealth reports a volume INACCESSIBLE when the daemon is
