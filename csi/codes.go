@@ -42,14 +42,3 @@ func cephStatus(err error, what string) error {
 	}
 	return status.Errorf(c, "%s: %v", what, err)
 }
-
-// require answers InvalidArgument naming the first of the (name, value)
-// pairs whose value is empty: the checks every call makes first.
-func require(pairs ...string) error {
-	for i := 0; i+1 < len(pairs); i += 2 {
-		if pairs[i+1] == "" {
-			return status.Errorf(codes.InvalidArgument, "%s is required", pairs[i])
-		}
-	}
-	return nil
-}

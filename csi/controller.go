@@ -61,14 +61,11 @@ func volumeSize(r *csi.CapacityRange) (uint64, error) {
 }
 
 func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (*csi.CreateVolumeResponse, error) {
-	name := req.GetName()
-	if name == "" {
-		return nil, status.Error(codes.InvalidArgument, "volume name is required")
-	}
-	accs, err := parseCapabilities(req.GetVolumeCapabilities())
+	accs, err := validateCreateVolumeRequest(req)
 	if err != nil {
-		return nil, status.Error(codes.InvalidArgument, err.Error())
+		return nil, err
 	}
+	name := req.GetName()
 	if req.GetVolumeContentSource() != nil {
 		return nil, status.Error(codes.InvalidArgument, "volumes from snapshots or clones are not supported")
 	}
@@ -160,10 +157,10 @@ func needsExclusive(accs []access) bool {
 }
 
 func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest) (*csi.DeleteVolumeResponse, error) {
-	id := req.GetVolumeId()
-	if id == "" {
-		return nil, status.Error(codes.InvalidArgument, "volume ID is required")
+	if err := validateDeleteVolumeRequest(req); err != nil {
+		return nil, err
 	}
+	id := req.GetVolumeId()
 	vol, err := parseVolumeID(id)
 	if err != nil {
 		// Not ours, so nothing to delete: success, as the spec asks.
@@ -200,21 +197,11 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 }
 
 func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.ControllerExpandVolumeRequest) (*csi.ControllerExpandVolumeResponse, error) {
-	id := req.GetVolumeId()
-	if id == "" {
-		return nil, status.Error(codes.InvalidArgument, "volume ID is required")
+	a, err := validateControllerExpandVolumeRequest(req)
+	if err != nil {
+		return nil, err
 	}
-	if req.GetCapacityRange() == nil || req.GetCapacityRange().GetRequiredBytes() <= 0 {
-		return nil, status.Error(codes.InvalidArgument, "a capacity range with required bytes is required")
-	}
-	block := false
-	if c := req.GetVolumeCapability(); c != nil {
-		a, err := parseCapability(c)
-		if err != nil {
-			return nil, status.Error(codes.InvalidArgument, err.Error())
-		}
-		block = a.Block
-	}
+	id, block := req.GetVolumeId(), a.Block
 	size, err := volumeSize(req.GetCapacityRange())
 	if err != nil {
 		return nil, err

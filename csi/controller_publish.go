@@ -25,19 +25,11 @@ import (
 const publishReadOnly = "readOnly"
 
 func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.ControllerPublishVolumeRequest) (*csi.ControllerPublishVolumeResponse, error) {
-	id, node := req.GetVolumeId(), req.GetNodeId()
-	switch {
-	case id == "":
-		return nil, status.Error(codes.InvalidArgument, "volume ID is required")
-	case node == "":
-		return nil, status.Error(codes.InvalidArgument, "node ID is required")
-	case req.GetVolumeCapability() == nil:
-		return nil, status.Error(codes.InvalidArgument, "volume capability is required")
-	}
-	a, err := parseCapability(req.GetVolumeCapability())
+	a, err := validateControllerPublishVolumeRequest(req)
 	if err != nil {
-		return nil, status.Error(codes.InvalidArgument, err.Error())
+		return nil, err
 	}
+	id, node := req.GetVolumeId(), req.GetNodeId()
 	vol, err := parseVolumeID(id)
 	if err != nil {
 		return nil, status.Error(codes.NotFound, err.Error())
@@ -93,21 +85,17 @@ func (d *Driver) checkExists(vol volume, secrets map[string]string) error {
 // node unmapped the image in NodeUnstage. Unknown and deleted volumes
 // succeed too, as the spec asks.
 func (d *Driver) ControllerUnpublishVolume(ctx context.Context, req *csi.ControllerUnpublishVolumeRequest) (*csi.ControllerUnpublishVolumeResponse, error) {
-	if req.GetVolumeId() == "" {
-		return nil, status.Error(codes.InvalidArgument, "volume ID is required")
+	if err := validateControllerUnpublishVolumeRequest(req); err != nil {
+		return nil, err
 	}
 	return &csi.ControllerUnpublishVolumeResponse{}, nil
 }
 
 func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.ValidateVolumeCapabilitiesRequest) (*csi.ValidateVolumeCapabilitiesResponse, error) {
-	id := req.GetVolumeId()
-	if id == "" {
-		return nil, status.Error(codes.InvalidArgument, "volume ID is required")
+	if err := validateValidateVolumeCapabilitiesRequest(req); err != nil {
+		return nil, err
 	}
-	if len(req.GetVolumeCapabilities()) == 0 {
-		return nil, status.Error(codes.InvalidArgument, "volume capabilities are required")
-	}
-	vol, err := parseVolumeID(id)
+	vol, err := parseVolumeID(req.GetVolumeId())
 	if err != nil {
 		return nil, status.Error(codes.NotFound, err.Error())
 	}

@@ -18,10 +18,10 @@ import (
 // daemon's update watch on the image reconfigures the kernel device
 // after ControllerExpand), then grows the filesystem.
 func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolumeRequest) (*csi.NodeExpandVolumeResponse, error) {
-	id, path := req.GetVolumeId(), req.GetVolumePath()
-	if err := require("volume ID", id, "volume path", path); err != nil {
+	if err := validateNodeExpandVolumeRequest(req); err != nil {
 		return nil, err
 	}
+	id, path := req.GetVolumeId(), req.GetVolumePath()
 	fi, err := statVolumePath(path)
 	if err != nil {
 		return nil, err

@@ -16,21 +16,11 @@ import (
 // staging path for a filesystem (a directory target), the device for
 // raw block (a file target).
 func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) (*csi.NodePublishVolumeResponse, error) {
-	id, target, staging := req.GetVolumeId(), req.GetTargetPath(), req.GetStagingTargetPath()
-	switch {
-	case id == "":
-		return nil, status.Error(codes.InvalidArgument, "volume ID is required")
-	case target == "":
-		return nil, status.Error(codes.InvalidArgument, "target path is required")
-	case req.GetVolumeCapability() == nil:
-		return nil, status.Error(codes.InvalidArgument, "volume capability is required")
-	case staging == "":
-		return nil, status.Error(codes.InvalidArgument, "staging target path is required")
-	}
-	a, err := parseCapability(req.GetVolumeCapability())
+	a, err := validateNodePublishVolumeRequest(req)
 	if err != nil {
-		return nil, status.Error(codes.InvalidArgument, err.Error())
+		return nil, err
 	}
+	id, target, staging := req.GetVolumeId(), req.GetTargetPath(), req.GetStagingTargetPath()
 	release, err := d.locks.acquire(id)
 	if err != nil {
 		return nil, err
@@ -117,10 +107,10 @@ func makeTarget(target string, block bool) (made bool, err error) {
 // NodeUnpublishVolume unmounts and removes the target. Repeats, and
 // targets that do not exist, succeed.
 func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublishVolumeRequest) (*csi.NodeUnpublishVolumeResponse, error) {
-	id, target := req.GetVolumeId(), req.GetTargetPath()
-	if err := require("volume ID", id, "target path", target); err != nil {
+	if err := validateNodeUnpublishVolumeRequest(req); err != nil {
 		return nil, err
 	}
+	id, target := req.GetVolumeId(), req.GetTargetPath()
 	release, err := d.locks.acquire(id)
 	if err != nil {
 		return nil, err

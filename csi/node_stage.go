@@ -34,19 +34,11 @@ func defaultMkfs(fs string) []string {
 // leaving no mount, no file or directory we made, no mapping (and so no
 // image lock) and no record.
 func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) (*csi.NodeStageVolumeResponse, error) {
-	id, staging := req.GetVolumeId(), req.GetStagingTargetPath()
-	switch {
-	case id == "":
-		return nil, status.Error(codes.InvalidArgument, "volume ID is required")
-	case staging == "":
-		return nil, status.Error(codes.InvalidArgument, "staging target path is required")
-	case req.GetVolumeCapability() == nil:
-		return nil, status.Error(codes.InvalidArgument, "volume capability is required")
-	}
-	a, err := parseCapability(req.GetVolumeCapability())
+	a, err := validateNodeStageVolumeRequest(req)
 	if err != nil {
-		return nil, status.Error(codes.InvalidArgument, err.Error())
+		return nil, err
 	}
+	id, staging := req.GetVolumeId(), req.GetStagingTargetPath()
 	mo, err := parseMapOptions(req.GetVolumeContext()["mapOptions"])
 	if err != nil {
 		return nil, status.Errorf(codes.InvalidArgument, "mapOptions: %v", err)
@@ -289,10 +281,10 @@ func removeIfExists(path string) error {
 // NodeUnstageVolume unmounts the staging target, unmaps the device and
 // forgets the volume. Repeats, and volumes never staged, succeed.
 func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (*csi.NodeUnstageVolumeResponse, error) {
-	id, staging := req.GetVolumeId(), req.GetStagingTargetPath()
-	if err := require("volume ID", id, "staging target path", staging); err != nil {
+	if err := validateNodeUnstageVolumeRequest(req); err != nil {
 		return nil, err
 	}
+	id, staging := req.GetVolumeId(), req.GetStagingTargetPath()
 	release, err := d.locks.acquire(id)
 	if err != nil {
 		return nil, err

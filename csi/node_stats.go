@@ -20,10 +20,10 @@ import (
 // the capacity and, on fast-diff images, the bytes the image actually
 // allocated — the daemon holds the image, so no secrets are needed.
 func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeStatsRequest) (*csi.NodeGetVolumeStatsResponse, error) {
-	id, path := req.GetVolumeId(), req.GetVolumePath()
-	if err := require("volume ID", id, "volume path", path); err != nil {
+	if err := validateNodeGetVolumeStatsRequest(req); err != nil {
 		return nil, err
 	}
+	id, path := req.GetVolumeId(), req.GetVolumePath()
 	fi, err := statVolumePath(path)
 	if err != nil {
 		return nil, err
@@ -75,10 +75,10 @@ func blockSize(path string) (uint64, error) {
 // none of the device's connections is live, or when its staging or
 // publish mount is gone.
 func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolumeHealthRequest) (*csi.NodeGetVolumeHealthResponse, error) {
-	id := req.GetVolumeId()
-	if id == "" {
-		return nil, status.Error(codes.InvalidArgument, "volume ID is required")
+	if err := validateNodeGetVolumeHealthRequest(req); err != nil {
+		return nil, err
 	}
+	id := req.GetVolumeId()
 	rec, ok, err := d.state.load(id)
 	if err != nil {
 		return nil, status.Error(codes.Internal, err.Error())
