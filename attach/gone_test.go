@@ -33,7 +33,8 @@ func killSockets(d *fakeDev) {
 func TestDeviceDisconnectedElsewhereIsReleased(t *testing.T) {
 	r := newRig(t)
 	m := r.manager(t)
-	rec, err := m.Map(control.Record{Index: kernel.AnyIndex, Spec: r.file(t, 1<<20), Connections: 2, Cookie: "mine"})
+	rec, err := m.Map(control.Record{Index: kernel.AnyIndex, Spec: r.file(t, 1<<20), Cookie: "mine",
+		MapOptions: control.MapOptions{Connections: 2}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -59,8 +59,8 @@ func (r *rig) file(t *testing.T, size int64) string {
 func TestMapServesEveryConnection(t *testing.T) {
 	r := newRig(t)
 	m := r.manager(t)
-	rec, err := m.Map(control.Record{Index: kernel.AnyIndex, Spec: "mem:8M", Connections: 3, Cookie: "c1",
-		ReattachTimeout: 300 * time.Second, MaxSectorsKB: 4096})
+	rec, err := m.Map(control.Record{Index: kernel.AnyIndex, Spec: "mem:8M", Cookie: "c1",
+		MapOptions: control.MapOptions{Connections: 3, ReattachTimeout: 300 * time.Second, MaxSectorsKB: 4096}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -103,7 +103,7 @@ func TestMapServesEveryConnection(t *testing.T) {
 func TestMapFlagsFollowOptions(t *testing.T) {
 	r := newRig(t)
 	m := r.manager(t)
-	rec, err := m.Map(control.Record{Index: 2, Spec: "mem:1M", ReadOnly: true, NoTrim: true})
+	rec, err := m.Map(control.Record{Index: 2, Spec: "mem:1M", MapOptions: control.MapOptions{ReadOnly: true, NoTrim: true}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -129,7 +129,7 @@ func TestMapFailureLeavesNothing(t *testing.T) {
 	if _, err := m.Map(control.Record{Index: kernel.AnyIndex, Spec: "mem:1M"}); !errors.Is(err, errInjected) {
 		t.Fatalf("connect failure: %v", err)
 	}
-	if _, err := m.Map(control.Record{Index: kernel.AnyIndex, Spec: "mem:1M", BlockSize: 3000}); err == nil {
+	if _, err := m.Map(control.Record{Index: kernel.AnyIndex, Spec: "mem:1M", MapOptions: control.MapOptions{BlockSize: 3000}}); err == nil {
 		t.Fatal("bad block size accepted")
 	}
 	if recs, _ := r.store.Load(); len(recs) != 0 || len(m.List()) != 0 || len(r.k.devs) != 0 {
@@ -141,7 +141,7 @@ func TestRestartReattachesWithCookie(t *testing.T) {
 	r := newRig(t)
 	spec := r.file(t, 4<<20)
 	m1 := NewManager(Config{Kernel: r.k, Store: r.store, SysBlock: r.sys, Dev: r.dir})
-	rec, err := m1.Map(control.Record{Index: kernel.AnyIndex, Spec: spec, Connections: 2, Cookie: "vol-7"})
+	rec, err := m1.Map(control.Record{Index: kernel.AnyIndex, Spec: spec, Cookie: "vol-7", MapOptions: control.MapOptions{Connections: 2}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -241,7 +241,7 @@ func TestRestoreDropsMemoryDevices(t *testing.T) {
 func TestReplaceDeadConnection(t *testing.T) {
 	r := newRig(t)
 	m := r.manager(t)
-	rec, err := m.Map(control.Record{Index: kernel.AnyIndex, Spec: "mem:1M", Connections: 2, Cookie: "q"})
+	rec, err := m.Map(control.Record{Index: kernel.AnyIndex, Spec: "mem:1M", Cookie: "q", MapOptions: control.MapOptions{Connections: 2}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -15,7 +15,7 @@ func TestQuiesceHookGetsDeviceAndVerb(t *testing.T) {
 	out := filepath.Join(dir, "calls")
 	hook := filepath.Join(dir, "hook")
 	os.WriteFile(hook, []byte("#!/bin/sh\necho \"$1 $2\" >> "+out+"\n[ \"$2\" != quiesce ] || [ ! -e "+dir+"/fail ]\n"), 0o755)
-	rec := control.Record{Index: 3, QuiesceHook: hook}
+	rec := control.Record{Index: 3, MapOptions: control.MapOptions{QuiesceHook: hook}}
 	if target, err := RunQuiesceHook(rec, true); err != nil || target != hook {
 		t.Fatal(target, err)
 	}
@@ -39,7 +39,7 @@ func TestQuiesceHookLeavingAHelperRunning(t *testing.T) {
 	hook := filepath.Join(t.TempDir(), "hook")
 	os.WriteFile(hook, []byte("#!/bin/sh\nsleep 60 &\necho started\n"), 0o755)
 	start := time.Now()
-	if _, err := RunQuiesceHook(control.Record{Index: 1, QuiesceHook: hook}, true); err != nil {
+	if _, err := RunQuiesceHook(control.Record{Index: 1, MapOptions: control.MapOptions{QuiesceHook: hook}}, true); err != nil {
 		t.Fatal(err)
 	}
 	if d := time.Since(start); d > 20*time.Second {

@@ -24,22 +24,13 @@ type Record struct {
 	Spec   string `json:"spec"`
 	Cookie string `json:"cookie"`
 
-	ReadOnly  bool `json:"read_only,omitempty"`
-	Exclusive bool `json:"exclusive,omitempty"`
-	NoTrim    bool `json:"notrim,omitempty"`
-
-	Connections     int           `json:"connections"`
-	BlockSize       uint64        `json:"block_size"`
-	IOTimeout       time.Duration `json:"io_timeout"`
-	ReattachTimeout time.Duration `json:"reattach_timeout"`
-	MaxSectorsKB    int           `json:"max_sectors_kb,omitempty"`
+	// Embedded, so the options stay fields of the record in Go and keys
+	// of its JSON: saved records and the control protocol read as
+	// before.
+	MapOptions
 
 	Ceph       ceph.Options    `json:"ceph"`
 	Encryption ceph.Encryption `json:"encryption,omitzero"`
-	Quiesce    bool            `json:"quiesce,omitempty"`
-	// QuiesceHook runs as HOOK DEVICE quiesce|unquiesce; empty means
-	// fsfreeze of the filesystem mounted on the device.
-	QuiesceHook string `json:"quiesce_hook,omitempty"`
 
 	// Detached devices keep their kernel side (waiting for a reattach)
 	// but are not served, and a restart does not reattach them.
@@ -72,23 +63,13 @@ func (r *Record) Defaults() {
 // Validate checks a map or attach request before any device or image is
 // touched. It is the one check every client goes through: the client
 // runs it to fail fast, and the daemon runs it again on what it
-// receives. Connections must be given; a zero block size or reattach
-// timeout means the default.
+// receives. The options are checked by MapOptions.Validate.
 func (r Record) Validate() error {
 	if r.Index < AnyIndex {
 		return fmt.Errorf("bad device index %d", r.Index)
 	}
-	if r.Connections < 1 || r.Connections > MaxConnections {
-		return fmt.Errorf("connections %d: want 1 to %d", r.Connections, MaxConnections)
-	}
-	if r.IOTimeout < 0 || r.ReattachTimeout < 0 {
-		return errors.New("timeouts cannot be negative")
-	}
-	if b := r.BlockSize; b != 0 && (b&(b-1) != 0 || b < 512 || b > 4096) {
-		return fmt.Errorf("block size %d: want a power of two from 512 to 4096", b)
-	}
-	if r.MaxSectorsKB < 0 {
-		return fmt.Errorf("max sectors %d KiB cannot be negative", r.MaxSectorsKB)
+	if err := r.MapOptions.Validate(); err != nil {
+		return err
 	}
 	sp, err := devspec.Parse(r.Spec)
 	if err != nil {

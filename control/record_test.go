@@ -11,7 +11,7 @@ import (
 )
 
 func TestValidate(t *testing.T) {
-	ok := Record{Index: AnyIndex, Spec: "pool/img", Connections: 4}
+	ok := Record{Index: AnyIndex, Spec: "pool/img", MapOptions: MapOptions{Connections: 4}}
 	if err := ok.Validate(); err != nil {
 		t.Fatal(err)
 	}

@@ -69,7 +69,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if req.GetVolumeContentSource() != nil {
 		return nil, status.Error(codes.InvalidArgument, "volumes from snapshots or clones are not supported")
 	}
-	p, err := parseParams(req.GetParameters())
+	p, err := parseParams(req.GetParameters(), d.mapDefaults())
 	if err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
@@ -141,8 +141,8 @@ func volumeContext(p params, vol volume) map[string]string {
 	if p.MkfsOptions != "" {
 		c["mkfsOptions"] = p.MkfsOptions
 	}
-	if p.MapOptions.Raw != "" {
-		c["mapOptions"] = "nbd:" + p.MapOptions.Raw
+	if p.MapOptions != "" {
+		c["mapOptions"] = "nbd:" + p.MapOptions
 	}
 	return c
 }

@@ -92,7 +92,7 @@ func (d *Driver) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (
 			return &csi.GetCapacityResponse{}, nil // none for what cannot be provisioned
 		}
 	}
-	p, err := parseParams(req.GetParameters())
+	p, err := parseParams(req.GetParameters(), d.mapDefaults())
 	if err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}

@@ -39,7 +39,7 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 		return nil, err
 	}
 	id, staging := req.GetVolumeId(), req.GetStagingTargetPath()
-	mo, err := parseMapOptions(req.GetVolumeContext()["mapOptions"])
+	mo, err := parseMapOptions(req.GetVolumeContext()["mapOptions"], d.mapDefaults())
 	if err != nil {
 		return nil, status.Errorf(codes.InvalidArgument, "mapOptions: %v", err)
 	}
@@ -86,9 +86,9 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 	if old, ok, _ := d.state.load(id); ok {
 		tx.rec.Published = old.Published // what an interrupted stage had published stays known
 	}
-	dev := control.Record{Index: control.AnyIndex, Spec: vol.Spec.String(), Cookie: id,
-		ReadOnly: ro, Exclusive: a.Exclusive && !ro, Ceph: cl.options(creds, 0), MaxSectorsKB: 4096}
-	mo.apply(&dev, d.cfg.Connections)
+	mo.ReadOnly, mo.Exclusive = ro, a.Exclusive && !ro
+	dev := control.Record{Index: control.AnyIndex, Spec: vol.Spec.String(), Cookie: id, MapOptions: mo,
+		Ceph: cl.options(creds, 0)}
 	if err := tx.run(ctx, dev, req.GetVolumeContext()["mkfsOptions"]); err != nil {
 		tx.undo(ctx)
 		return nil, err

@@ -3,7 +3,6 @@ package csi
 import (
 	"fmt"
 	"sort"
-	"strconv"
 	"strings"
 	"time"
 
@@ -20,7 +19,7 @@ type params struct {
 	DataPool     string
 	Features     []string
 	MkfsOptions  string
-	MapOptions   mapOptions
+	MapOptions   string // the nbd part, checked, for the volume context
 	UnmapOptions string // accepted for compatibility; unmap takes none
 }
 
@@ -39,7 +38,8 @@ func ignoredParam(k string) bool {
 }
 
 // parseParams checks every parameter; an unknown one is refused by name.
-func parseParams(in map[string]string) (params, error) {
+// The map options are checked over mapDefaults, the node's defaults.
+func parseParams(in map[string]string, mapDefaults control.MapOptions) (params, error) {
 	var p params
 	keys := make([]string, 0, len(in))
 	for k := range in {
@@ -61,7 +61,9 @@ func parseParams(in map[string]string) (params, error) {
 		case "mkfsOptions":
 			p.MkfsOptions = v
 		case "mapOptions":
-			p.MapOptions, err = parseMapOptions(v)
+			if p.MapOptions, err = nbdMapOptions(v); err == nil {
+				_, err = control.ParseMapOptions(p.MapOptions, mapDefaults)
+			}
 		case "unmapOptions":
 			p.UnmapOptions = v
 		case "imageFormat":
@@ -95,24 +97,24 @@ func parseParams(in map[string]string) (params, error) {
 	return p, nil
 }
 
-// mapOptions are the nbd part of ceph-csi's "krbd:...;nbd:..." map
-// options: rbd-nbd's own option names, comma-separated, as `rbd device
-// map -o` passes them.
-type mapOptions struct {
-	Raw             string // the nbd part, kept for the volume context
-	Connections     int
-	IOTimeout       *time.Duration
-	ReattachTimeout *time.Duration
-	NoTrim          bool
-	BlockSize       uint64
-	MaxSectorsKB    int
+// csiMapDefaults are ceph-csi's defaults for a CSI map, with the
+// driver's connections per device (Config.Connections): a restarted
+// node plugin has five minutes to take a device back, and I/O never
+// times out (a timed-out request fails the filesystem; ceph-csi #2204).
+// max_sectors_kb is raised to an RBD object, as the CLI raises it.
+func csiMapDefaults(connections int) control.MapOptions {
+	return control.MapOptions{Connections: connections, IOTimeout: 0, ReattachTimeout: 300 * time.Second,
+		MaxSectorsKB: 4096}
 }
 
-// parseMapOptions takes "nbd:a=1,b;krbd:x" or a bare "a=1,b" (the nbd
-// mounter's options, as ceph-csi reads a value without a prefix when the
-// mounter is rbd-nbd).
-func parseMapOptions(s string) (mapOptions, error) {
-	o := mapOptions{}
+// mapDefaults are the options of a map whose StorageClass sets none.
+func (d *Driver) mapDefaults() control.MapOptions { return csiMapDefaults(d.cfg.Connections) }
+
+// nbdMapOptions is the nbd part of ceph-csi's map options: "krbd:...;
+// nbd:..." or a bare list (the nbd mounter's options, as ceph-csi reads
+// a value without a prefix when the mounter is rbd-nbd). The prefixes
+// are ceph-csi's; the options themselves are rbd-nbd's.
+func nbdMapOptions(s string) (string, error) {
 	nbdPart := ""
 	for _, part := range strings.Split(s, ";") {
 		part = strings.TrimSpace(part)
@@ -125,89 +127,18 @@ func parseMapOptions(s string) (mapOptions, error) {
 		case kind == "krbd":
 			// krbd's options do not apply to nbd.
 		default:
-			return o, fmt.Errorf("unknown mounter %q in %q (want krbd: or nbd:)", kind, part)
+			return "", fmt.Errorf("unknown mounter %q in %q (want krbd: or nbd:)", kind, part)
 		}
 	}
-	o.Raw = nbdPart
-	for _, opt := range strings.Split(nbdPart, ",") {
-		opt = strings.TrimSpace(opt)
-		if opt == "" {
-			continue
-		}
-		k, v, hasV := strings.Cut(opt, "=")
-		num := func() (int, error) {
-			n, err := strconv.Atoi(v)
-			if !hasV || err != nil || n < 0 {
-				return 0, fmt.Errorf("option %q wants a number", k)
-			}
-			return n, nil
-		}
-		secs := func() (*time.Duration, error) {
-			n, err := num()
-			d := time.Duration(n) * time.Second
-			return &d, err
-		}
-		var err error
-		switch k {
-		case "try-netlink":
-			// Always: netlink first, ioctls as the fallback.
-		case "connections":
-			o.Connections, err = num()
-		case "io-timeout", "timeout":
-			o.IOTimeout, err = secs()
-		case "reattach-timeout":
-			o.ReattachTimeout, err = secs()
-		case "notrim":
-			o.NoTrim = true
-		case "block-size":
-			var n int
-			n, err = num()
-			o.BlockSize = uint64(n)
-		case "max-sectors-kb":
-			o.MaxSectorsKB, err = num()
-		default:
-			err = fmt.Errorf("unknown nbd map option %q (known: try-netlink, connections, io-timeout, "+
-				"reattach-timeout, notrim, block-size, max-sectors-kb)", k)
-		}
-		if err != nil {
-			return o, err
-		}
-	}
-	// The same check the daemon applies, now, not at the first stage.
-	rec := control.Record{Index: control.AnyIndex, Spec: "rbd/x", Connections: max(o.Connections, 1),
-		BlockSize: o.BlockSize, MaxSectorsKB: o.MaxSectorsKB}
-	if err := rec.Validate(); err != nil {
-		return o, err
-	}
-	return o, nil
+	return nbdPart, nil
 }
 
-// ceph-csi's defaults for a CSI map: a restarted node plugin has five
-// minutes to take a device back, and I/O never times out (a timed-out
-// request fails the filesystem; ceph-csi #2204).
-const (
-	defaultReattachTimeout = 300 * time.Second
-	defaultIOTimeout       = 0
-)
-
-// apply sets the options on a device record, over ceph-csi's defaults.
-func (o mapOptions) apply(rec *control.Record, defaultConns int) {
-	rec.Connections = defaultConns
-	if o.Connections > 0 {
-		rec.Connections = o.Connections
+// parseMapOptions reads ceph-csi's map options (rbd-nbd's own option
+// names, as control.ParseMapOptions reads them) over defaults.
+func parseMapOptions(s string, defaults control.MapOptions) (control.MapOptions, error) {
+	part, err := nbdMapOptions(s)
+	if err != nil {
+		return defaults, err
 	}
-	rec.ReattachTimeout, rec.IOTimeout = defaultReattachTimeout, defaultIOTimeout
-	if o.ReattachTimeout != nil {
-		rec.ReattachTimeout = *o.ReattachTimeout
-	}
-	if o.IOTimeout != nil {
-		rec.IOTimeout = *o.IOTimeout
-	}
-	rec.NoTrim = o.NoTrim
-	if o.BlockSize > 0 {
-		rec.BlockSize = o.BlockSize
-	}
-	if o.MaxSectorsKB > 0 {
-		rec.MaxSectorsKB = o.MaxSectorsKB
-	}
+	return control.ParseMapOptions(part, defaults)
 }

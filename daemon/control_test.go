@@ -101,7 +101,7 @@ func TestControlSocket(t *testing.T) {
 	if err := c.Ping(ctx); err != nil {
 		t.Fatal(err)
 	}
-	rec := control.Record{Index: control.AnyIndex, Spec: "mem:1M", Connections: 1}
+	rec := control.Record{Index: control.AnyIndex, Spec: "mem:1M", MapOptions: control.MapOptions{Connections: 1}}
 	rec.Ceph.Key = "AQD-secret"
 	got, err := c.Map(ctx, rec)
 	if err != nil || got.Device() != "/dev/nbd0" || got.Ceph.Key != "" {
@@ -133,7 +133,7 @@ func TestControlSocket(t *testing.T) {
 		t.Fatal("unknown op accepted")
 	}
 	// A client that skips the check meets it in the daemon.
-	bad := control.Record{Index: control.AnyIndex, Spec: "mem:1M", Connections: 99}
+	bad := control.Record{Index: control.AnyIndex, Spec: "mem:1M", MapOptions: control.MapOptions{Connections: 99}}
 	resp, _ = c.Call(ctx, control.Request{Op: control.OpMap, Record: &bad}, false)
 	if err := resp.Err(); err == nil || !strings.Contains(err.Error(), "connections 99") {
 		t.Fatalf("daemon accepted a bad record: %v", err)

@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"os"
 	"regexp"
-	"runtime"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -23,43 +22,42 @@ import (
 )
 
 // mapOpts are rbd-nbd's map/attach options, with its names, plus ours.
+// Those that say how to map fill a control.MapOptions, the type every
+// client sends; the timeouts are integer seconds on the command line,
+// as rbd-nbd takes them, and become its durations in record.
 type mapOpts struct {
+	opts                       control.MapOptions
 	device                     string
-	readOnly, exclusive        bool
-	notrim                     bool
 	ioTimeout, reattachTimeout int
 	cookie                     string
 	showCookie                 bool
 	nbdsMax, maxPart           int
 	tryNetlink                 bool
-	quiesce                    bool
-	quiesceHook                string
 	encFormat, encPassFile     string
-	connections                int
-	blockSize                  uint64
-	maxSectorsKB               int
 }
 
 func addMapFlags(f *pflag.FlagSet, o *mapOpts) {
+	def := control.CLIDefaults()
 	f.StringVar(&o.device, "device", "", "use this /dev/nbdN (default: let the kernel pick)")
-	f.BoolVar(&o.readOnly, "read-only", false, "map read-only")
-	f.BoolVar(&o.exclusive, "exclusive", false, "take the RBD exclusive lock and keep it")
-	f.BoolVar(&o.notrim, "notrim", false, "do not pass discards (TRIM) to the image")
-	f.IntVar(&o.ioTimeout, "io-timeout", 0, "seconds before the kernel aborts a request (0: never)")
-	f.IntVar(&o.ioTimeout, "timeout", 0, "old name of --io-timeout")
-	f.IntVar(&o.reattachTimeout, "reattach-timeout", 30, "seconds I/O waits for a restarted server before failing")
+	f.BoolVar(&o.opts.ReadOnly, "read-only", false, "map read-only")
+	f.BoolVar(&o.opts.Exclusive, "exclusive", false, "take the RBD exclusive lock and keep it")
+	f.BoolVar(&o.opts.NoTrim, "notrim", false, "do not pass discards (TRIM) to the image")
+	f.IntVar(&o.ioTimeout, "io-timeout", int(def.IOTimeout/time.Second), "seconds before the kernel aborts a request (0: never)")
+	f.IntVar(&o.ioTimeout, "timeout", int(def.IOTimeout/time.Second), "old name of --io-timeout")
+	f.IntVar(&o.reattachTimeout, "reattach-timeout", int(def.ReattachTimeout/time.Second),
+		"seconds I/O waits for a restarted server before failing")
 	f.StringVar(&o.cookie, "cookie", "", "backend identifier checked on reattach (default: random UUID)")
 	f.BoolVar(&o.showCookie, "show-cookie", false, "print the cookie after the device path")
 	f.IntVar(&o.nbdsMax, "nbds_max", 0, "nbd module parameter, if this command loads the module")
 	f.IntVar(&o.maxPart, "max_part", 0, "nbd module parameter, if this command loads the module")
 	f.BoolVar(&o.tryNetlink, "try-netlink", false, "accepted for compatibility: netlink is always tried first")
-	f.BoolVar(&o.quiesce, "quiesce", false, "freeze the filesystem on the device around RBD snapshots")
-	f.StringVar(&o.quiesceHook, "quiesce-hook", "", "run HOOK DEVICE quiesce|unquiesce instead of fsfreeze")
+	f.BoolVar(&o.opts.Quiesce, "quiesce", false, "freeze the filesystem on the device around RBD snapshots")
+	f.StringVar(&o.opts.QuiesceHook, "quiesce-hook", "", "run HOOK DEVICE quiesce|unquiesce instead of fsfreeze")
 	f.StringVar(&o.encFormat, "encryption-format", "", "luks, luks1 or luks2: open with librbd client-side encryption")
 	f.StringVar(&o.encPassFile, "encryption-passphrase-file", "", "file holding the encryption passphrase")
-	f.IntVar(&o.connections, "connections", runtime.NumCPU(), "sockets (kernel queues) per device")
-	f.Uint64Var(&o.blockSize, "block-size", 4096, "logical block size: 512, 1024, 2048 or 4096")
-	f.IntVar(&o.maxSectorsKB, "max-sectors-kb", 4096, "largest request the kernel sends, in KiB (queue/max_sectors_kb)")
+	f.IntVar(&o.opts.Connections, "connections", def.Connections, "sockets (kernel queues) per device")
+	f.Uint64Var(&o.opts.BlockSize, "block-size", def.BlockSize, "logical block size: 512, 1024, 2048 or 4096")
+	f.IntVar(&o.opts.MaxSectorsKB, "max-sectors-kb", def.MaxSectorsKB, "largest request the kernel sends, in KiB (queue/max_sectors_kb)")
 	f.MarkHidden("timeout")
 }
 
@@ -76,12 +74,10 @@ func deviceIndex(dev string) (int, error) {
 // record builds the daemon's device record; control.Record.Validate,
 // which the client and the daemon both run, checks it.
 func (o *mapOpts) record(g *globalOpts, spec string) (control.Record, error) {
-	rec := control.Record{Index: control.AnyIndex, Spec: spec, Cookie: o.cookie,
-		ReadOnly: o.readOnly, Exclusive: o.exclusive, NoTrim: o.notrim,
-		Connections: o.connections, BlockSize: o.blockSize, MaxSectorsKB: o.maxSectorsKB,
-		IOTimeout:       time.Duration(o.ioTimeout) * time.Second,
-		ReattachTimeout: time.Duration(o.reattachTimeout) * time.Second,
-		Quiesce:         o.quiesce || o.quiesceHook != "", QuiesceHook: o.quiesceHook}
+	rec := control.Record{Index: control.AnyIndex, Spec: spec, Cookie: o.cookie, MapOptions: o.opts}
+	rec.IOTimeout = time.Duration(o.ioTimeout) * time.Second
+	rec.ReattachTimeout = time.Duration(o.reattachTimeout) * time.Second
+	rec.Quiesce = o.opts.Quiesce || o.opts.QuiesceHook != ""
 	if o.device != "" {
 		idx, err := deviceIndex(o.device)
 		if err != nil {
