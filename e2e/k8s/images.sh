@@ -1,9 +1,10 @@
 #!/bin/bash
 # The images e2e-k8s imports into the VM's containerd, as docker-archive
 # tarballs in OUTDIR: the driver (deploy/image/build-local.sh, from
-# bin/rbd-nbd-go), the CSI sidecars under their upstream names and the
-# versions pinned in e2e/k8s/tools/go.mod (built from the same sources),
-# a pause image, and the test pods' image (busybox and fio).
+# bin/rbd-nbd-go), the CSI sidecars and the snapshot-controller under
+# their upstream names and the versions pinned in e2e/k8s/tools/go.mod
+# (built from the same sources), a pause image, and the test pods' image
+# (busybox and fio).
 #
 #   e2e/k8s/images.sh OUTDIR
 set -euo pipefail
@@ -14,8 +15,9 @@ tools=$(e2e/k8s/build-tools.sh)
 b=deploy/image/build-local.sh
 ver() { awk -v m="$1" '$1 == m {print $2}' e2e/k8s/tools/go.mod; }
 $b driver bin/rbd-nbd-go localhost/rbd-nbd-go:dev "$out/rbd-nbd-go.tar"
-for s in provisioner:external-provisioner/v6 attacher:external-attacher/v4 resizer:external-resizer/v2; do
-	name=csi-${s%%:*}
+for s in csi-provisioner:external-provisioner/v6 csi-attacher:external-attacher/v4 csi-resizer:external-resizer/v2 \
+	csi-snapshotter:external-snapshotter/v8 snapshot-controller:external-snapshotter/v8; do
+	name=${s%%:*}
 	v=$(ver "github.com/kubernetes-csi/${s#*:}")
 	[ -n "$v" ] || { echo "images: no version for $name in e2e/k8s/tools/go.mod" >&2; exit 1; }
 	$b static "$tools/bin/$name" "/$name" "registry.k8s.io/sig-storage/$name:$v" "$out/$name.tar"

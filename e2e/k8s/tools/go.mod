@@ -1,5 +1,6 @@
-// The Kubernetes control plane, kubelet, kubectl and the CSI sidecars
-// that make e2e-k8s runs, pinned and built from the Go module proxy.
+// The Kubernetes control plane, kubelet, kubectl, the CSI sidecars and
+// the snapshot-controller that make e2e-k8s runs, pinned and built from
+// the Go module proxy.
 // Kept apart from the main go.mod: nothing here is linked into ours.
 module github.com/rbd-nbd-go/e2e-k8s-tools
 
@@ -9,6 +10,8 @@ tool (
 	github.com/kubernetes-csi/external-attacher/v4/cmd/csi-attacher
 	github.com/kubernetes-csi/external-provisioner/v6/cmd/csi-provisioner
 	github.com/kubernetes-csi/external-resizer/v2/cmd/csi-resizer
+	github.com/kubernetes-csi/external-snapshotter/v8/cmd/csi-snapshotter
+	github.com/kubernetes-csi/external-snapshotter/v8/cmd/snapshot-controller
 	k8s.io/kubernetes/cmd/kube-apiserver
 	k8s.io/kubernetes/cmd/kube-controller-manager
 	k8s.io/kubernetes/cmd/kube-scheduler
@@ -92,7 +95,8 @@ require (
 	github.com/kubernetes-csi/external-attacher/v4 v4.12.0 // indirect
 	github.com/kubernetes-csi/external-provisioner/v6 v6.3.0 // indirect
 	github.com/kubernetes-csi/external-resizer/v2 v2.2.0 // indirect
-	github.com/kubernetes-csi/external-snapshotter/client/v8 v8.4.0 // indirect
+	github.com/kubernetes-csi/external-snapshotter/client/v8 v8.6.0 // indirect
+	github.com/kubernetes-csi/external-snapshotter/v8 v8.6.0 // indirect
 	github.com/kylelemons/godebug v1.1.0 // indirect
 	github.com/liggitt/tabwriter v0.0.0-20181228230101-89fcab3d43de // indirect
 	github.com/lithammer/dedent v1.1.0 // indirect
