@@ -152,6 +152,7 @@ PY
 	t0=$(date +%s)
 	check "the controller Deployment is available" eval "kubectl -n $NS rollout status deploy/rbd-nbd-go-controller --timeout=300s >/dev/null"
 	check "the node DaemonSet is ready" eval "kubectl -n $NS rollout status ds/rbd-nbd-go-node --timeout=300s >/dev/null"
+	check "the snapshot-controller Deployment is available" eval "kubectl -n $NS rollout status deploy/rbd-nbd-go-snapshot-controller --timeout=300s >/dev/null"
 	check "the kubelet registered the driver (CSINode)" wait_jp 120 csinode $NODE '{.spec.drivers[*].name}' "$DRIVER"
 	log "  driver ready $(($(date +%s) - t0)) s after apply"
 }
