@@ -39,13 +39,17 @@ type NewImage struct {
 
 // ImageInfo is what image management reports of an image.
 type ImageInfo struct {
-	Spec     ImageSpec
+	Spec ImageSpec
+	// ID is the RBD image ID, which a rename keeps.
+	ID       string
 	Size     uint64
 	Features []string
 	Meta     map[string]string
 	// Watchers counts the clients watching the image: each mapped or
 	// open copy has one.
 	Watchers int
+	// Parent is the image this one is cloned from, if any.
+	Parent *Link
 }
 
 // HasFeature reports whether the image has the named feature.

@@ -82,6 +82,9 @@ func imageInfo(ioctx *rados.IOContext, spec ceph.ImageSpec) (ceph.ImageInfo, err
 	}
 	defer img.Close()
 	info := ceph.ImageInfo{Spec: spec}
+	if info.ID, err = img.GetId(); err != nil {
+		return info, imageError(spec, "ID of", err)
+	}
 	if info.Size, err = img.GetSize(); err != nil {
 		return info, imageError(spec, "size of", err)
 	}
@@ -101,6 +104,14 @@ func imageInfo(ioctx *rados.IOContext, spec ceph.ImageSpec) (ceph.ImageInfo, err
 	}
 	// Our own read-only open does not register a watch.
 	info.Watchers = len(ws)
+	pi, err := img.GetParent()
+	switch {
+	case err == nil:
+		info.Parent = &ceph.Link{Pool: pi.Image.PoolName, Namespace: pi.Image.PoolNamespace, ImageID: pi.Image.ImageID,
+			Image: pi.Image.ImageName, SnapID: pi.Snap.ID, Snap: pi.Snap.SnapName, Trash: pi.Image.Trash}
+	case cephErrno(err) != syscall.ENOENT:
+		return info, imageError(spec, "parent of", err)
+	}
 	return info, nil
 }
 
@@ -124,8 +135,9 @@ func (c *Clusters) ResizeImage(o ceph.Options, spec ceph.ImageSpec, size uint64)
 }
 
 // RemoveImage removes spec. An image with watchers (mapped or open
-// somewhere) is refused with ceph.ErrImageInUse and kept; a missing one
-// is ceph.ErrImageNotFound.
+// somewhere) is refused with ceph.ErrImageInUse and kept, one with
+// snapshots with ceph.ErrHasSnapshots; a missing one is
+// ceph.ErrImageNotFound.
 func (c *Clusters) RemoveImage(o ceph.Options, spec ceph.ImageSpec) error {
 	ioctx, release, err := c.ioctx(o, spec)
 	if err != nil {
@@ -252,6 +264,8 @@ func classify(err error) error {
 		return matching{err, ceph.ErrImageInUse}
 	case syscall.EACCES, syscall.EPERM:
 		return matching{err, ceph.ErrPermission}
+	case syscall.ENOTEMPTY:
+		return matching{err, ceph.ErrHasSnapshots}
 	}
 	return err
 }

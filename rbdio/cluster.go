@@ -188,8 +188,13 @@ func describeConnectError(o ceph.Options, err error) error {
 	return fmt.Errorf("connect to ceph as %s: %w", who, err)
 }
 
-// cephErrno extracts the errno from a go-ceph error (0 if none).
+// cephErrno extracts the errno from a go-ceph error, or our own cgo
+// calls' (0 if none).
 func cephErrno(err error) syscall.Errno {
+	var en syscall.Errno
+	if errors.As(err, &en) {
+		return en
+	}
 	var ce interface{ ErrorCode() int }
 	if errors.As(err, &ce) {
 		if c := ce.ErrorCode(); c < 0 {
