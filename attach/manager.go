@@ -118,12 +118,11 @@ func kernelConfig(r control.Record, flags, size uint64) kernel.Config {
 }
 
 // Map makes a new device for rec (rec.Index may be kernel.AnyIndex) and
-// returns its record. On any failure nothing is left behind.
+// returns its record. On any failure nothing is left behind. rec must
+// have passed control.Record.Validate: the daemon's control server,
+// its only caller, checks every request once, on receipt.
 func (m *Manager) Map(rec control.Record) (control.Record, error) {
 	rec.Defaults()
-	if err := rec.Validate(); err != nil {
-		return control.Record{}, err
-	}
 	if rec.Index != kernel.AnyIndex {
 		if m.get(rec.Index) != nil {
 			return control.Record{}, fmt.Errorf("%s is busy (already mapped)", rec.Device())
@@ -334,7 +333,8 @@ func (m *Manager) Detach(target string) error {
 // this process restarted): new sockets replace the dead ones through
 // RECONFIGURE, which the kernel only accepts with the device's cookie.
 // Attaching a device that is already served with the same spec and
-// cookie is a no-op.
+// cookie is a no-op. As for Map, rec has been validated by the caller:
+// the control server, or Restore.
 func (m *Manager) Attach(rec control.Record) (control.Record, error) {
 	rec.Defaults()
 	if rec.Index < 0 {
@@ -480,6 +480,13 @@ func (m *Manager) ReplaceDead(index int) {
 
 // Restore takes back every device in the store that the kernel still
 // has, after a restart. Devices the kernel lost are forgotten.
+//
+// The records bypass the control server and are not validated again
+// here: each was validated by the control server when its map or attach
+// came in, before the manager saved it, and only the daemon writes the
+// store (root-only, under /run). Attach fills in the defaults, as for
+// any request. A check here would leave a device whose record an older
+// version wrote, and today's rules refuse, in the kernel but unserved.
 func (m *Manager) Restore() error {
 	recs, err := m.cfg.Store.Load()
 	if err != nil {

@@ -34,6 +34,9 @@ func (c *Client) Attach(ctx context.Context, rec Record) (Record, error) {
 }
 
 func (c *Client) device(ctx context.Context, op string, rec Record) (Record, error) {
+	// The client side's one check, so a bad request fails before a
+	// daemon is started for it; callers (the CLI, the CSI node) build
+	// records without checking them.
 	if err := rec.Validate(); err != nil {
 		return Record{}, err
 	}

@@ -61,9 +61,10 @@ func (r *Record) Defaults() {
 }
 
 // Validate checks a map or attach request before any device or image is
-// touched. It is the one check every client goes through: the client
-// runs it to fail fast, and the daemon runs it again on what it
-// receives. The options are checked by MapOptions.Validate.
+// touched. It runs twice on a map, at the two boundaries: control.Client
+// runs it to fail fast, and the daemon's control server runs it again on
+// what it receives, whoever sent it. The options are checked by
+// MapOptions.Validate.
 func (r Record) Validate() error {
 	if r.Index < AnyIndex {
 		return fmt.Errorf("bad device index %d", r.Index)

@@ -72,7 +72,9 @@ func handle(m *attach.Manager, req control.Request) control.Response {
 		if req.Record == nil {
 			return control.Failure(errors.New("request has no device record"))
 		}
-		// Whoever the client is, its request is checked here too.
+		// Whoever the client is, its request is checked here too: the
+		// daemon's one check of a map or attach, which the manager
+		// relies on.
 		if err := req.Record.Validate(); err != nil {
 			return control.Failure(err)
 		}

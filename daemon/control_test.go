@@ -132,16 +132,25 @@ func TestControlSocket(t *testing.T) {
 	if resp.Err() == nil {
 		t.Fatal("unknown op accepted")
 	}
-	// A client that skips the check meets it in the daemon.
-	bad := control.Record{Index: control.AnyIndex, Spec: "mem:1M", MapOptions: control.MapOptions{Connections: 99}}
-	resp, _ = c.Call(ctx, control.Request{Op: control.OpMap, Record: &bad}, false)
-	if err := resp.Err(); err == nil || !strings.Contains(err.Error(), "connections 99") {
-		t.Fatalf("daemon accepted a bad record: %v", err)
+	// A client that skips the check meets it in the daemon, the only
+	// check the manager's records get there.
+	for says, o := range map[string]control.MapOptions{
+		"connections 99":  {Connections: 99},
+		"block size 3000": {Connections: 1, BlockSize: 3000},
+	} {
+		bad := control.Record{Index: control.AnyIndex, Spec: "mem:1M", MapOptions: o}
+		resp, _ = c.Call(ctx, control.Request{Op: control.OpMap, Record: &bad}, false)
+		if err := resp.Err(); err == nil || !strings.Contains(err.Error(), says) {
+			t.Fatalf("daemon accepted a bad record (%s): %v", says, err)
+		}
 	}
-	for i := 0; i < 200 && over.Load() < 2; i++ { // done runs after the response is sent
+	if ls, _ := c.List(ctx); len(ls.Devices) != 0 {
+		t.Fatalf("bad records mapped: %+v", ls.Devices)
+	}
+	for i := 0; i < 200 && over.Load() < 3; i++ { // done runs after the response is sent
 		time.Sleep(10 * time.Millisecond)
 	}
-	if started.Load() != 2 || over.Load() != 2 {
-		t.Fatalf("serving hook: %d started and %d over, want 2 each (the two map requests)", started.Load(), over.Load())
+	if started.Load() != 3 || over.Load() != 3 {
+		t.Fatalf("serving hook: %d started and %d over, want 3 each (the three map requests)", started.Load(), over.Load())
 	}
 }

@@ -71,8 +71,9 @@ func deviceIndex(dev string) (int, error) {
 	return strconv.Atoi(m[1])
 }
 
-// record builds the daemon's device record; control.Record.Validate,
-// which the client and the daemon both run, checks it.
+// record builds the daemon's device record. It does not validate it:
+// control.Client does, once, before it asks the daemon (which checks
+// again on receipt).
 func (o *mapOpts) record(g *globalOpts, spec string) (control.Record, error) {
 	rec := control.Record{Index: control.AnyIndex, Spec: spec, Cookie: o.cookie, MapOptions: o.opts}
 	rec.IOTimeout = time.Duration(o.ioTimeout) * time.Second
@@ -89,9 +90,6 @@ func (o *mapOpts) record(g *globalOpts, spec string) (control.Record, error) {
 		// Caught here: a negative --reattach-timeout would read as
 		// "unset" once it is a Duration of the record.
 		return rec, errors.New("timeouts cannot be negative")
-	}
-	if err := rec.Validate(); err != nil {
-		return rec, err
 	}
 	var err error
 	if rec.Ceph, err = g.daemonCeph(); err != nil {
@@ -110,7 +108,7 @@ func (o *mapOpts) record(g *globalOpts, spec string) (control.Record, error) {
 			rec.Encryption.Format = "luks"
 		}
 	}
-	return rec, rec.Validate()
+	return rec, nil
 }
 
 func newUUID() string {
