@@ -2,9 +2,7 @@ package csi
 
 import (
 	"context"
-	"crypto/sha256"
 	"errors"
-	"fmt"
 	"slices"
 	"time"
 
@@ -30,24 +28,44 @@ const (
 	defaultVolumeBytes = 1 << 30
 )
 
+// Image metadata the controller writes besides metaName.
+const (
+	// metaSource is the snapshot or volume ID a volume was made from:
+	// a retried CreateVolume with another source is AlreadyExists.
+	metaSource = "rbd-nbd-go.csi.io/source"
+	// metaKind is how the volume is used (volumeKind): a restore or
+	// clone must be used the same way.
+	metaKind = "rbd-nbd-go.csi.io/kind"
+	// metaGoneFrom is the volume ID a kept image had (csi-gone-ID).
+	metaGoneFrom = "rbd-nbd-go.csi.io/deleted-volume"
+)
+
 // imageName is the image a CSI name maps to: fixed by the name, so a
 // retry after a lost reply finds the same image without a lookup table.
 // The metadata records the name, to tell a (practically impossible) hash
 // collision from our own image.
-func imageName(name string) string {
-	h := sha256.Sum256([]byte(name))
-	return fmt.Sprintf("csi-vol-%x-%x-%x-%x-%x", h[0:4], h[4:6], h[6:8], h[8:10], h[10:16])
-}
+func imageName(name string) string { return hashName("csi-vol-", name) }
 
 // volumeSize picks the size for a capacity range: whole MiB, at least
-// the required bytes, at most the limit.
-func volumeSize(r *csi.CapacityRange) (uint64, error) {
+// the required bytes, at most the limit; without required bytes, 1 GiB,
+// or for a volume made from a snapshot or volume, its source's size
+// (min), which it can never be smaller than.
+func volumeSize(r *csi.CapacityRange, min uint64) (uint64, error) {
 	req, lim := r.GetRequiredBytes(), r.GetLimitBytes()
 	if req < 0 || lim < 0 {
 		return 0, status.Error(codes.InvalidArgument, "capacity range cannot be negative")
 	}
+	if min > 0 && lim > 0 && uint64(lim) < min {
+		return 0, status.Errorf(codes.OutOfRange, "the limit of %d bytes is below the source's %d bytes", lim, min)
+	}
+	if min > 0 && req > 0 && uint64(req) < min {
+		return 0, status.Errorf(codes.OutOfRange, "%d bytes asked for, but the source has %d", req, min)
+	}
 	if req == 0 {
 		req = defaultVolumeBytes
+		if min > 0 {
+			return min, nil
+		}
 		if lim > 0 && lim < req {
 			req = lim
 		}
@@ -60,21 +78,34 @@ func volumeSize(r *csi.CapacityRange) (uint64, error) {
 	return size, nil
 }
 
+// volumeKind is how a volume's capabilities use it, "block" or "fs:TYPE",
+// or "" when they mix.
+func volumeKind(accs []access) string {
+	kind := ""
+	for i, a := range accs {
+		k := "block"
+		if !a.Block {
+			k = "fs:" + a.FsType
+		}
+		if i > 0 && k != kind {
+			return ""
+		}
+		kind = k
+	}
+	return kind
+}
+
 func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (*csi.CreateVolumeResponse, error) {
 	accs, err := validateCreateVolumeRequest(req)
 	if err != nil {
 		return nil, err
 	}
 	name := req.GetName()
-	if req.GetVolumeContentSource() != nil {
-		return nil, status.Error(codes.InvalidArgument, "volumes from snapshots or clones are not supported")
-	}
 	p, err := parseParams(req.GetParameters(), d.mapDefaults())
 	if err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
-	size, err := volumeSize(req.GetCapacityRange())
-	if err != nil {
+	if _, err := volumeSize(req.GetCapacityRange(), 0); err != nil {
 		return nil, err
 	}
 	creds, err := credentialsFrom(req.GetSecrets())
@@ -89,13 +120,39 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if err != nil {
 		return nil, err
 	}
-	defer release()
 	o := cl.options(creds, controllerOSDTimeout)
 	vol := volume{ClusterID: p.ClusterID, Spec: ceph.ImageSpec{Pool: p.Pool,
 		Namespace: cl.RBD.RadosNamespace, Image: imageName(name)}}
+	// A clone's snapshot waits for the node to freeze its filesystem,
+	// which librbd cannot interrupt: it holds the name until it ends.
+	return detach(ctx, release, func() (*csi.CreateVolumeResponse, error) {
+		v, err := d.createVolume(o, name, vol, p, accs, req.GetCapacityRange(), req.GetVolumeContentSource())
+		if err != nil {
+			return nil, err
+		}
+		d.remember(vol, creds)
+		return &csi.CreateVolumeResponse{Volume: v}, nil
+	})
+}
+
+func (d *Driver) createVolume(o ceph.Options, name string, vol volume, p params, accs []access,
+	cr *csi.CapacityRange, content *csi.VolumeContentSource) (*csi.Volume, error) {
 	features := p.Features
 	if needsExclusive(accs) && !slices.Contains(features, "exclusive-lock") {
 		features = append(append([]string{}, features...), "exclusive-lock")
+	}
+	var src *volSource
+	var min uint64
+	if content != nil {
+		var err error
+		if src, err = d.resolveSource(o, vol.ClusterID, content, volumeKind(accs)); err != nil {
+			return nil, err
+		}
+		min = src.size
+	}
+	size, err := volumeSize(cr, min)
+	if err != nil {
+		return nil, err
 	}
 	info, err := d.cfg.Images.ImageInfo(o, vol.Spec)
 	switch {
@@ -103,18 +160,33 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		if n := info.Meta[metaName]; n != "" && n != name {
 			return nil, status.Errorf(codes.AlreadyExists, "image %s belongs to volume %q", vol.Spec, n)
 		}
-		lim := req.GetCapacityRange().GetLimitBytes()
-		if info.Size < uint64(req.GetCapacityRange().GetRequiredBytes()) || (lim > 0 && info.Size > uint64(lim)) {
+		if want := src.id(); info.Meta[metaSource] != want {
+			return nil, status.Errorf(codes.AlreadyExists, "volume %q exists, made from %q, not %q",
+				name, info.Meta[metaSource], want)
+		}
+		lim := cr.GetLimitBytes()
+		if info.Size < uint64(cr.GetRequiredBytes()) || (lim > 0 && info.Size > uint64(lim)) {
 			return nil, status.Errorf(codes.AlreadyExists,
 				"volume %q exists with %d bytes, outside the requested range", name, info.Size)
 		}
 		size = info.Size
+		if src != nil && src.volume != nil {
+			d.dropCloneSnapshot(o, src, name)
+		}
 		d.log.Info("volume exists", "name", name, "image", vol.Spec.String())
 	case errors.Is(err, ceph.ErrPoolNotFound):
 		return nil, status.Errorf(codes.InvalidArgument, "parameter %q: %v", "pool", err)
+	case errors.Is(err, ceph.ErrImageNotFound) && src != nil:
+		if err := d.cloneVolume(o, name, vol, p, features, size, src, volumeKind(accs)); err != nil {
+			return nil, err
+		}
 	case errors.Is(err, ceph.ErrImageNotFound):
+		meta := map[string]string{metaName: name}
+		if k := volumeKind(accs); k != "" {
+			meta[metaKind] = k
+		}
 		err = d.cfg.Images.CreateImage(o, vol.Spec, ceph.NewImage{Size: size, Features: features,
-			DataPool: p.DataPool, Meta: map[string]string{metaName: name}})
+			DataPool: p.DataPool, Meta: meta})
 		if errors.Is(err, ceph.ErrPoolNotFound) || errors.Is(err, ceph.ErrImageNotFound) {
 			// A missing data pool reads as ENOENT from librbd.
 			return nil, status.Errorf(codes.InvalidArgument, "create %s (pool or dataPool missing?): %v", vol.Spec, err)
@@ -126,9 +198,8 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	default:
 		return nil, cephStatus(err, "look up image")
 	}
-	d.remember(vol, creds)
-	return &csi.CreateVolumeResponse{Volume: &csi.Volume{VolumeId: vol.ID(), CapacityBytes: int64(size),
-		VolumeContext: volumeContext(p, vol)}}, nil
+	return &csi.Volume{VolumeId: vol.ID(), CapacityBytes: int64(size), VolumeContext: volumeContext(p, vol),
+		ContentSource: content}, nil
 }
 
 // volumeContext is what NodeStage needs of the StorageClass; it gets no
@@ -156,6 +227,9 @@ func needsExclusive(accs []access) bool {
 	return false
 }
 
+// DeleteVolume removes the volume's image; one with snapshots (or
+// snapshots kept for clones) is renamed csi-gone-ID instead, and removed
+// with the last of them. Unknown volumes succeed, as the spec asks.
 func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest) (*csi.DeleteVolumeResponse, error) {
 	if err := validateDeleteVolumeRequest(req); err != nil {
 		return nil, err
@@ -182,11 +256,34 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 		return nil, err
 	}
 	defer release()
-	err = d.cfg.Images.RemoveImage(cl.options(creds, controllerOSDTimeout), vol.Spec)
+	o := cl.options(creds, controllerOSDTimeout)
+	info, err := d.cfg.Images.ImageInfo(o, vol.Spec)
+	switch {
+	case errors.Is(err, ceph.ErrImageNotFound), errors.Is(err, ceph.ErrPoolNotFound):
+		return &csi.DeleteVolumeResponse{}, nil
+	case err != nil:
+		return nil, cephStatus(err, "look up "+describe(vol))
+	}
+	ref := ceph.ImageRef{Pool: vol.Spec.Pool, Namespace: vol.Spec.Namespace, ID: info.ID}
+	// A background flatten holds the image open: stop it (it stays owed
+	// if the image is kept).
+	d.flat.cancel(vol.ClusterID, ref)
+	j := d.journal(o, vol.Spec.Pool, vol.Spec.Namespace)
+	err = d.cfg.Images.RemoveImage(o, vol.Spec)
 	switch {
 	case err == nil:
 		d.log.Info("deleted volume", "image", vol.Spec.String())
+		if err := j.update(nil, flattenKey(ref)); err != nil {
+			d.log.Warn("clear the deleted volume's journal entries", "err", err)
+		}
+		if info.Parent != nil {
+			d.collectGone(o, vol.ClusterID, info.Parent.Ref())
+		}
 	case errors.Is(err, ceph.ErrImageNotFound), errors.Is(err, ceph.ErrPoolNotFound):
+	case errors.Is(err, ceph.ErrHasSnapshots):
+		if err := d.keepGone(o, j, vol, info); err != nil {
+			return nil, err
+		}
 	case errors.Is(err, ceph.ErrImageInUse):
 		return nil, status.Errorf(codes.FailedPrecondition, "volume %s is still mapped: %v", describe(vol), err)
 	default:
@@ -202,7 +299,7 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 		return nil, err
 	}
 	id, block := req.GetVolumeId(), a.Block
-	size, err := volumeSize(req.GetCapacityRange())
+	size, err := volumeSize(req.GetCapacityRange(), 0)
 	if err != nil {
 		return nil, err
 	}
@@ -230,19 +327,29 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 	return &csi.ControllerExpandVolumeResponse{CapacityBytes: int64(size), NodeExpansionRequired: !block}, nil
 }
 
-// volumeAccess decodes a volume ID and finds credentials for it: the
-// request's secrets, else the controller's Secret, else (for reads only)
-// the last ones seen for its cluster. Errors are gRPC statuses: a
-// malformed ID or unknown cluster is NotFound (no such volume can
-// exist).
+// volumeAccess decodes a volume ID and finds credentials for it (see
+// clusterAccess). A malformed ID or unknown cluster is NotFound: no such
+// volume can exist.
 func (d *Driver) volumeAccess(id string, secrets map[string]string, write bool) (volume, ceph.Options, error) {
 	vol, err := parseVolumeID(id)
 	if err != nil {
 		return vol, ceph.Options{}, status.Error(codes.NotFound, err.Error())
 	}
-	cl, err := d.clusters.get(vol.ClusterID)
+	o, err := d.clusterAccess(vol.ClusterID, secrets, write)
+	if status.Code(err) == codes.NotFound {
+		return vol, o, status.Errorf(codes.NotFound, "volume %s: %v", id, status.Convert(err).Message())
+	}
+	return vol, o, err
+}
+
+// clusterAccess finds credentials for a cluster: the request's secrets,
+// else the controller's Secret, else (for reads only) the last ones seen
+// for the cluster. An unknown cluster is NotFound; no credentials at all
+// InvalidArgument.
+func (d *Driver) clusterAccess(clusterID string, secrets map[string]string, write bool) (ceph.Options, error) {
+	cl, err := d.clusters.get(clusterID)
 	if err != nil {
-		return vol, ceph.Options{}, status.Errorf(codes.NotFound, "volume %s: %v", id, err)
+		return ceph.Options{}, status.Error(codes.NotFound, err.Error())
 	}
 	creds, err := credentialsFrom(secrets)
 	if err != nil {
@@ -250,12 +357,43 @@ func (d *Driver) volumeAccess(id string, secrets map[string]string, write bool) 
 		if write {
 			creds, ok = d.secretCreds()
 		} else {
-			creds, ok = d.knownCreds(vol.ClusterID)
+			creds, ok = d.knownCreds(clusterID)
 		}
 		if !ok {
-			return vol, ceph.Options{}, status.Errorf(codes.InvalidArgument,
-				"%v, and none have been seen for cluster %q yet", err, vol.ClusterID)
+			return ceph.Options{}, status.Errorf(codes.InvalidArgument,
+				"%v, and none have been seen for cluster %q yet", err, clusterID)
 		}
 	}
-	return vol, cl.options(creds, controllerOSDTimeout), nil
+	return cl.options(creds, controllerOSDTimeout), nil
+}
+
+// detach runs fn, the rest of a call, so that it may outlast the call:
+// librbd's calls cannot be interrupted. If ctx ends first the call
+// answers its error and fn goes on; release runs when fn ends, so a
+// retry meanwhile gets Aborted instead of a second librbd call. A panic
+// in fn becomes Internal, as the interceptor does for the call itself.
+func detach[T any](ctx context.Context, release func(), fn func() (T, error)) (T, error) {
+	type result struct {
+		v   T
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		defer release()
+		var r result
+		defer func() {
+			if p := recover(); p != nil {
+				r.err = status.Errorf(codes.Internal, "internal error: %v", p)
+			}
+			ch <- r
+		}()
+		r.v, r.err = fn()
+	}()
+	select {
+	case r := <-ch:
+		return r.v, r.err
+	case <-ctx.Done():
+		var zero T
+		return zero, status.FromContextError(ctx.Err()).Err()
+	}
 }

@@ -65,8 +65,14 @@ func TestCreateVolumeValidation(t *testing.T) {
 			codes.InvalidArgument, "block access"},
 		{"bad fstype", &csi.CreateVolumeRequest{Name: "v", Parameters: params, Secrets: goodSecrets,
 			VolumeCapabilities: []*csi.VolumeCapability{mountCap("vfat", rwo)}}, codes.InvalidArgument, "vfat"},
-		{"content source", &csi.CreateVolumeRequest{Name: "v", Parameters: params, Secrets: goodSecrets, VolumeCapabilities: caps,
-			VolumeContentSource: &csi.VolumeContentSource{}}, codes.InvalidArgument, "snapshots"},
+		{"empty content source", &csi.CreateVolumeRequest{Name: "v", Parameters: params, Secrets: goodSecrets, VolumeCapabilities: caps,
+			VolumeContentSource: &csi.VolumeContentSource{}}, codes.InvalidArgument, "neither a snapshot nor a volume"},
+		{"unknown source snapshot", &csi.CreateVolumeRequest{Name: "v", Parameters: params, Secrets: goodSecrets, VolumeCapabilities: caps,
+			VolumeContentSource: snapSource("snap1/c1/rbd//id9999/7")}, codes.NotFound, "does not exist"},
+		{"source snapshot not ours", &csi.CreateVolumeRequest{Name: "v", Parameters: params, Secrets: goodSecrets, VolumeCapabilities: caps,
+			VolumeContentSource: snapSource("csi-snap-1234")}, codes.NotFound, "not a snapshot ID"},
+		{"unknown source volume", &csi.CreateVolumeRequest{Name: "v", Parameters: params, Secrets: goodSecrets, VolumeCapabilities: caps,
+			VolumeContentSource: volSourceOf("nbd1/c1/rbd//nope")}, codes.NotFound, "does not exist"},
 	} {
 		_, err := r.d.CreateVolume(ctx, tc.req)
 		wantCode(t, tc.name, err, tc.code, tc.says)

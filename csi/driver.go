@@ -29,12 +29,38 @@ const DefaultDriverName = "rbd-nbd-go.csi.io"
 type Images interface {
 	CreateImage(o ceph.Options, spec ceph.ImageSpec, n ceph.NewImage) error
 	ImageInfo(o ceph.Options, spec ceph.ImageSpec) (ceph.ImageInfo, error)
+	ImageName(o ceph.Options, ref ceph.ImageRef) (string, error)
 	ResizeImage(o ceph.Options, spec ceph.ImageSpec, size uint64) error
 	RemoveImage(o ceph.Options, spec ceph.ImageSpec) error
+	RenameImage(o ceph.Options, spec ceph.ImageSpec, name string) error
+	UpdateMetadata(o ceph.Options, spec ceph.ImageSpec, set map[string]string, rm []string) error
 	ListImages(o ceph.Options, spec ceph.ImageSpec, metaKey string) ([]ceph.ImageInfo, error)
 	ListPools(o ceph.Options) ([]string, error)
 	PoolAvailable(o ceph.Options, pool string) (uint64, error)
 	Ping(o ceph.Options) error
+	Snapshots
+	Journals
+}
+
+// Snapshots are the controller's snapshot, clone and flatten calls
+// (rbdio.Clusters).
+type Snapshots interface {
+	CreateSnapshot(o ceph.Options, spec ceph.ImageSpec, name string, q ceph.Quiesce) (ceph.SnapshotOf, error)
+	GetSnapshot(o ceph.Options, ref ceph.ImageRef, snapID uint64) (ceph.SnapshotOf, error)
+	ListSnapshots(o ceph.Options, spec ceph.ImageSpec) ([]ceph.Snapshot, error)
+	RemoveSnapshot(o ceph.Options, ref ceph.ImageRef, snapID uint64) error
+	Children(o ceph.Options, ref ceph.ImageRef, snapID uint64) ([]ceph.Child, error)
+	CloneImage(o ceph.Options, parent, child ceph.ImageSpec, n ceph.NewImage) error
+	ParentChain(o ceph.Options, ref ceph.ImageRef, snapID uint64) ([]ceph.Link, error)
+	Flatten(o ceph.Options, ref ceph.ImageRef, stop <-chan struct{}, interval time.Duration,
+		report func(done, total uint64)) error
+}
+
+// Journals are the omaps the controller journals in (rbdio.Clusters).
+type Journals interface {
+	ReadJournal(o ceph.Options, pool ceph.ImageSpec, oid string, keys []string) (map[string]string, error)
+	ListJournal(o ceph.Options, pool ceph.ImageSpec, oid, prefix string) (map[string]string, error)
+	UpdateJournal(o ceph.Options, pool ceph.ImageSpec, oid string, set map[string]string, rm []string) error
 }
 
 // Attacher is the node service's way to the node daemon
@@ -94,6 +120,17 @@ type Config struct {
 	// SysBlock is /sys/block unless tests move it.
 	SysBlock string
 	Log      *slog.Logger
+
+	// Limits bound clone depth and snapshots per image (controller);
+	// zero means DefaultLimits.
+	Limits Limits
+	// SweepInterval is how often the controller looks for owed
+	// flattens and for deleted volumes' images nothing needs any more
+	// (default 1 minute); FlattenProgress how often a running flatten
+	// logs its progress (default 10 s).
+	SweepInterval, FlattenProgress time.Duration
+	// Flattens bounds the flattens running at once (default 2).
+	Flattens int
 }
 
 // Driver implements the CSI services selected in its Config.
@@ -107,6 +144,7 @@ type Driver struct {
 	clusters clusters
 	locks    *keyLocks
 	state    *stageStore
+	flat     *flattener // controller
 
 	// creds remembers, per clusterID, the last credentials a request
 	// carried, in memory only: ListVolumes, GetCapacity and
@@ -154,8 +192,26 @@ func New(cfg Config) (*Driver, error) {
 	if cfg.Log == nil {
 		cfg.Log = slog.New(slog.DiscardHandler)
 	}
+	if cfg.Limits == (Limits{}) {
+		cfg.Limits = DefaultLimits()
+	}
+	if err := cfg.Limits.Validate(); err != nil {
+		return nil, err
+	}
+	if cfg.SweepInterval <= 0 {
+		cfg.SweepInterval = time.Minute
+	}
+	if cfg.FlattenProgress <= 0 {
+		cfg.FlattenProgress = 10 * time.Second
+	}
+	if cfg.Flattens <= 0 {
+		cfg.Flattens = 2
+	}
 	d := &Driver{cfg: cfg, log: cfg.Log, clusters: clusters{cfg.ClustersConfig}, locks: newKeyLocks(),
 		creds: map[string]credentials{}}
+	if cfg.Controller {
+		d.flat = newFlattener(cfg.Images, cfg.Log, cfg.Flattens, cfg.FlattenProgress)
+	}
 	if cfg.Node {
 		var err error
 		if d.state, err = openStageStore(cfg.StateDir); err != nil {

@@ -26,6 +26,7 @@ type fakeImages struct {
 	images  map[string]ceph.ImageInfo
 	pools   map[string]bool
 	goodKey string
+	ss      *fakeSnapState // fakesnap_test.go
 }
 
 func newFakeImages() *fakeImages {
@@ -59,7 +60,7 @@ func (f *fakeImages) CreateImage(o ceph.Options, spec ceph.ImageSpec, n ceph.New
 	for k, v := range n.Meta {
 		meta[k] = v
 	}
-	f.images[spec.String()] = ceph.ImageInfo{Spec: spec, Size: n.Size, Features: n.Features, Meta: meta}
+	f.images[spec.String()] = ceph.ImageInfo{Spec: spec, ID: f.newID(), Size: n.Size, Features: n.Features, Meta: meta}
 	return nil
 }
 
@@ -104,7 +105,13 @@ func (f *fakeImages) RemoveImage(o ceph.Options, spec ceph.ImageSpec) error {
 	if i.Watchers > 0 {
 		return ceph.ErrImageInUse
 	}
+	if len(f.snapState().snaps[i.ID]) > 0 {
+		return ceph.ErrHasSnapshots
+	}
 	delete(f.images, spec.String())
+	if p := i.Parent; p != nil {
+		f.dropTrashed(p.Ref(), p.SnapID)
+	}
 	return nil
 }
 
@@ -277,6 +284,8 @@ func (e *scriptExec) Command(cmd string, args ...string) utilexec.Cmd {
 			dev = args[len(args)-1]
 		}
 		switch {
+		case cmd == "blockdev" && len(args) > 0 && args[0] == "--getro":
+			return []byte("0\n"), nil, nil
 		case cmd == "blkid":
 			if fs := e.formats[dev]; fs != "" {
 				return []byte("TYPE=" + fs + "\n"), nil, nil
@@ -326,7 +335,10 @@ type rig struct {
 
 var goodSecrets = map[string]string{"userID": "csi", "userKey": "AQDkey"}
 
-func newRig(t *testing.T) *rig {
+func newRig(t *testing.T) *rig { t.Helper(); return newRigWith(t, nil) }
+
+// newRigWith lets a test change the driver's config first.
+func newRigWith(t *testing.T, change func(*Config)) *rig {
 	t.Helper()
 	dir := t.TempDir()
 	conf := filepath.Join(dir, "config.json")
@@ -341,11 +353,15 @@ func newRig(t *testing.T) *rig {
 		os.MkdirAll(filepath.Join(sys, fmt.Sprintf("nbd%d", i)), 0o755)
 		os.WriteFile(filepath.Join(sys, fmt.Sprintf("nbd%d", i), "size"), []byte("2097152\n"), 0o644)
 	}
-	d, err := New(Config{NodeID: "node-1", Controller: true, Node: true, ClustersConfig: conf,
+	cfg := Config{NodeID: "node-1", Controller: true, Node: true, ClustersConfig: conf,
 		StateDir: filepath.Join(dir, "state"), Images: r.images, Attacher: r.att,
 		Mounter: mount.NewSafeFormatAndMount(r.mounter, r.exec), Nodes: DirRegistry{filepath.Join(dir, "nodes")},
 		SysBlock: sys, DeviceWait: 1e9,
-		Log: slog.New(slog.NewTextHandler(r.logs, &slog.HandlerOptions{Level: slog.LevelDebug}))})
+		Log: slog.New(slog.NewTextHandler(r.logs, &slog.HandlerOptions{Level: slog.LevelDebug}))}
+	if change != nil {
+		change(&cfg)
+	}
+	d, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -87,6 +87,11 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 		tx.rec.Published = old.Published // what an interrupted stage had published stays known
 	}
 	mo.ReadOnly, mo.Exclusive = ro, a.Exclusive && !ro
+	// A snapshot of the volume (CreateSnapshot, or a clone of it) then
+	// freezes the mounted filesystem first, through librbd's quiesce
+	// watch in the node daemon: the snapshot is consistent, not merely
+	// crash-consistent.
+	mo.Quiesce = !ro
 	dev := control.Record{Index: control.AnyIndex, Spec: vol.Spec.String(), Cookie: id, MapOptions: mo,
 		Ceph: cl.options(creds, 0)}
 	if err := tx.run(ctx, dev, req.GetVolumeContext()["mkfsOptions"]); err != nil {
@@ -183,6 +188,21 @@ func (tx *stageTx) run(ctx context.Context, dev control.Record, mkfsOptions stri
 		return status.Errorf(codes.Internal, "format and mount %s at %s: %v", device, target, err)
 	}
 	tx.mounted = true
+	if rec.ReadOnly {
+		return nil
+	}
+	// A volume restored or cloned larger than its source carries the
+	// source's filesystem: grow it before the mount is handed out.
+	// resize2fs and xfs_growfs do nothing when it already fills the
+	// device.
+	rs := mount.NewResizeFs(d.cfg.Mounter.Exec)
+	if need, err := rs.NeedResize(device, target); err != nil {
+		return status.Errorf(codes.Internal, "check the filesystem size on %s: %v", device, err)
+	} else if need {
+		if _, err := rs.Resize(device, target); err != nil {
+			return status.Errorf(codes.Internal, "grow the filesystem on %s: %v", device, err)
+		}
+	}
 	return nil
 }
 

@@ -57,7 +57,7 @@ func TestStageUnstageFilesystem(t *testing.T) {
 	m := r.att.maps[0]
 	want := control.Record{Index: control.AnyIndex, Spec: "rbd/" + imageName("pvc-s"), Cookie: v.VolumeId,
 		MapOptions: control.MapOptions{Exclusive: true, Connections: 3, IOTimeout: 7 * time.Second,
-			ReattachTimeout: 300 * time.Second, MaxSectorsKB: 4096},
+			ReattachTimeout: 300 * time.Second, MaxSectorsKB: 4096, Quiesce: true},
 		Ceph: ceph.Options{MonHost: "127.0.0.1:6789", ID: "csi", Key: "AQDkey", OpTimeout: 30 * time.Second}}
 	want.Index = m.Index
 	if m != want {

@@ -69,6 +69,18 @@ func (d *Driver) Serve(ctx context.Context, l net.Listener) error {
 	defer stop()
 	d.log.Info("serving CSI", "driver", d.cfg.Name, "controller", d.cfg.Controller, "node", d.cfg.Node,
 		"nodeid", d.cfg.NodeID, "endpoint", l.Addr().String())
+	if d.cfg.Controller {
+		sctx, cancel := context.WithCancel(ctx)
+		done := make(chan struct{})
+		go func() { defer close(done); d.sweep(sctx) }()
+		defer func() {
+			cancel()
+			<-done
+			// Running flattens stop where they are; they stay owed in
+			// the journal, and the next controller resumes them.
+			d.flat.stopAll()
+		}()
+	}
 	err := s.Serve(l)
 	if ctx.Err() != nil {
 		return nil

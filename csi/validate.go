@@ -175,3 +175,27 @@ func validateNodeGetVolumeHealthRequest(req *csi.NodeGetVolumeHealthRequest) err
 	}
 	return nil
 }
+
+func validateCreateSnapshotRequest(req *csi.CreateSnapshotRequest) error {
+	if req.GetName() == "" {
+		return missing("snapshot name")
+	}
+	if req.GetSourceVolumeId() == "" {
+		return missing("source volume ID")
+	}
+	return nil
+}
+
+func validateDeleteSnapshotRequest(req *csi.DeleteSnapshotRequest) error {
+	if req.GetSnapshotId() == "" {
+		return missing("snapshot ID")
+	}
+	return nil
+}
+
+func validateGetSnapshotRequest(req *csi.GetSnapshotRequest) error {
+	if req.GetSnapshotId() == "" {
+		return missing("snapshot ID")
+	}
+	return nil
+}

@@ -218,3 +218,22 @@ func refError(ref ceph.ImageRef, what string, err error) error {
 	}
 	return fmt.Errorf("%s image %s: %w", what, ref, classify(err))
 }
+
+// ImageName is the current name of the image ref names by ID.
+func (c *Clusters) ImageName(o ceph.Options, ref ceph.ImageRef) (string, error) {
+	ioctx, release, err := c.ioctx(o, refSpec(ref))
+	if err != nil {
+		return "", err
+	}
+	defer release()
+	m, err := openMgmt(ioctx, "", ref.ID, true)
+	if err != nil {
+		return "", refError(ref, "open", err)
+	}
+	defer m.close()
+	name, err := m.name()
+	if err != nil {
+		return "", refError(ref, "name of", err)
+	}
+	return name, nil
+}

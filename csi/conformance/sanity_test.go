@@ -31,7 +31,8 @@ func TestSanity(t *testing.T) {
 	var b bytes.Buffer
 	for _, k := range []string{"CreateVolumeSecret", "DeleteVolumeSecret", "ControllerPublishVolumeSecret",
 		"ControllerUnpublishVolumeSecret", "ControllerValidateVolumeCapabilitiesSecret", "NodeStageVolumeSecret",
-		"NodePublishVolumeSecret", "ControllerExpandVolumeSecret"} {
+		"NodePublishVolumeSecret", "ControllerExpandVolumeSecret", "CreateSnapshotSecret", "DeleteSnapshotSecret",
+		"ListSnapshotsSecret", "GetSnapshotSecret"} {
 		fmt.Fprintf(&b, "%s: %s\n", k, secrets)
 	}
 	os.WriteFile(secretsFile, []byte(b.String()), 0o600)
@@ -44,6 +45,8 @@ func TestSanity(t *testing.T) {
 		os.MkdirAll(filepath.Join(dir, access), 0o755)
 		cfg.SecretsFile = secretsFile
 		cfg.TestVolumeParameters = map[string]string{"clusterID": "dev", "pool": "rbd"}
+		// A VolumeSnapshotClass's parameters, ceph-csi's names.
+		cfg.TestSnapshotParameters = map[string]string{"clusterID": "dev", "snapshotNamePrefix": "sanity-"}
 		// Small volumes: mkfs and the memstore OSD stay quick under TCG.
 		cfg.TestVolumeSize = 64 << 20
 		cfg.TestVolumeExpandSize = 128 << 20

@@ -1,0 +1,212 @@
+package csi
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
+)
+
+// Volumes made from a snapshot (a restore) or from a volume (a PVC
+// clone) are format-2 clones. A restore clones the snapshot itself; a
+// clone snapshots its source (through the node's quiesce, so a mounted
+// filesystem is consistent as of the call), clones that, and removes the
+// snapshot at once: librbd keeps it in the trash namespace while the
+// clone depends on it. Either way the new volume is one link deeper
+// than its source, and the clone-depth limits apply (depth.go).
+
+// volSource is a resolved volume content source.
+type volSource struct {
+	snapshot *snapshotID // a restore
+	volume   *volume     // a clone
+	// ref and snapID name where the clone's parent chain starts: the
+	// snapshot, or the source volume's head (its temporary snapshot has
+	// the same chain).
+	ref    ceph.ImageRef
+	snapID uint64
+	// parent is the image spec to clone, with its snapshot (a restore).
+	parent ceph.ImageSpec
+	name   string // the source image's name, for logs
+	size   uint64
+	kind   string // volumeKind of the source, "" if unknown
+}
+
+// id is the source's CSI ID, as metaSource records it ("" for none).
+func (s *volSource) id() string {
+	switch {
+	case s == nil:
+		return ""
+	case s.snapshot != nil:
+		return s.snapshot.String()
+	}
+	return s.volume.ID()
+}
+
+// resolveSource finds a CreateVolume's content source: NotFound if it
+// does not exist, InvalidArgument if it is on another cluster or used
+// another way than kind.
+func (d *Driver) resolveSource(o ceph.Options, clusterID string, c *csi.VolumeContentSource, kind string) (*volSource, error) {
+	var src *volSource
+	switch {
+	case c.GetSnapshot() != nil:
+		sid, err := parseSnapshotID(c.GetSnapshot().GetSnapshotId())
+		if err != nil {
+			return nil, status.Error(codes.NotFound, err.Error())
+		}
+		if sid.ClusterID != clusterID {
+			return nil, status.Errorf(codes.InvalidArgument, "snapshot %s is on cluster %q, the volume would be on %q",
+				sid, sid.ClusterID, clusterID)
+		}
+		s, err := d.cfg.Images.GetSnapshot(o, sid.Image, sid.SnapID)
+		if errors.Is(err, ceph.ErrSnapshotNotFound) || errors.Is(err, ceph.ErrImageNotFound) ||
+			errors.Is(err, ceph.ErrPoolNotFound) || (err == nil && s.Trash) {
+			return nil, status.Errorf(codes.NotFound, "snapshot %s does not exist", sid)
+		}
+		if err != nil {
+			return nil, cephStatus(err, "look up snapshot "+sid.String())
+		}
+		src = &volSource{snapshot: &sid, ref: sid.Image, snapID: sid.SnapID, size: s.Size, name: s.ImageName,
+			parent: ceph.ImageSpec{Pool: sid.Image.Pool, Namespace: sid.Image.Namespace, Image: s.ImageName, Snap: s.Name}}
+		j := d.journal(o, sid.Image.Pool, sid.Image.Namespace)
+		if name, ok, err := j.getString(snapIDKey(sid)); err == nil && ok {
+			var rec snapRecord
+			if ok, _ := j.get(snapKey(name), &rec); ok {
+				src.kind = rec.Kind
+			}
+		}
+	case c.GetVolume() != nil:
+		v, err := parseVolumeID(c.GetVolume().GetVolumeId())
+		if err != nil {
+			return nil, status.Error(codes.NotFound, err.Error())
+		}
+		if v.ClusterID != clusterID {
+			return nil, status.Errorf(codes.InvalidArgument, "volume %s is on cluster %q, the clone would be on %q",
+				v.ID(), v.ClusterID, clusterID)
+		}
+		info, err := d.cfg.Images.ImageInfo(o, v.Spec)
+		if errors.Is(err, ceph.ErrImageNotFound) || errors.Is(err, ceph.ErrPoolNotFound) {
+			return nil, status.Errorf(codes.NotFound, "volume %s does not exist", v.ID())
+		}
+		if err != nil {
+			return nil, cephStatus(err, "look up source "+describe(v))
+		}
+		if !info.HasFeature("layering") {
+			return nil, status.Errorf(codes.InvalidArgument, "source volume %s has no layering feature: it cannot be cloned", describe(v))
+		}
+		src = &volSource{volume: &v, ref: ceph.ImageRef{Pool: v.Spec.Pool, Namespace: v.Spec.Namespace, ID: info.ID},
+			size: info.Size, name: v.Spec.Image, kind: info.Meta[metaKind]}
+	default:
+		return nil, status.Error(codes.InvalidArgument, "volume content source is neither a snapshot nor a volume")
+	}
+	if src.kind != "" && kind != "" && src.kind != kind {
+		return nil, status.Errorf(codes.InvalidArgument, "the source %s is %s; this volume would be %s",
+			src.id(), kindName(src.kind), kindName(kind))
+	}
+	return src, nil
+}
+
+func kindName(k string) string {
+	if k == "block" {
+		return "a raw block volume"
+	}
+	return "a " + k[len("fs:"):] + " filesystem"
+}
+
+// cloneVolume makes vol from src within the depth limits: Aborted while
+// the source must be flattened first, a background flatten of the new
+// volume when it is past the soft depth.
+func (d *Driver) cloneVolume(o ceph.Options, name string, vol volume, p params, features []string, size uint64,
+	src *volSource, kind string) error {
+	chain, err := d.cfg.Images.ParentChain(o, src.ref, src.snapID)
+	if err != nil {
+		return cephStatus(err, "parent chain of "+src.id())
+	}
+	step := d.cfg.Limits.cloneStep(len(chain))
+	if step == flattenParentFirst {
+		j := d.journal(o, src.ref.Pool, src.ref.Namespace)
+		job, err := d.flat.start(vol.ClusterID, o, j, src.ref, src.name,
+			fmt.Sprintf("a clone of it would have %d parents, past the hard depth %d", len(chain)+1, d.cfg.Limits.HardDepth),
+			func() { d.collectChain(o, vol.ClusterID, chain) })
+		if err != nil {
+			return cephStatus(err, "start flatten of "+src.name)
+		}
+		done, total := job.progress()
+		return status.Errorf(codes.Aborted,
+			"the source %s has %d parents: a clone would pass the hard depth %d; flattening %s first (%d of %d objects)",
+			src.id(), len(chain), d.cfg.Limits.HardDepth, src.name, done, total)
+	}
+	parent := src.parent
+	if src.volume != nil {
+		s, err := d.cfg.Images.CreateSnapshot(o, src.volume.Spec, hashName(cloneSnapPrefix, name), ceph.QuiesceRequired)
+		if err != nil {
+			return cephStatus(err, "snapshot source "+describe(*src.volume))
+		}
+		parent = src.volume.Spec
+		parent.Snap = s.Name
+	}
+	meta := map[string]string{metaName: name, metaSource: src.id()}
+	if kind == "" {
+		kind = src.kind
+	}
+	if kind != "" {
+		meta[metaKind] = kind
+	}
+	if !slices.Contains(features, "layering") {
+		features = append(append([]string{}, features...), "layering")
+	}
+	err = d.cfg.Images.CloneImage(o, parent, vol.Spec, ceph.NewImage{Size: size, Features: features,
+		DataPool: p.DataPool, Meta: meta})
+	if errors.Is(err, ceph.ErrPoolNotFound) {
+		return status.Errorf(codes.InvalidArgument, "clone %s (pool or dataPool missing?): %v", vol.Spec, err)
+	}
+	if err != nil {
+		return cephStatus(err, "clone "+src.id())
+	}
+	if src.volume != nil {
+		d.dropCloneSnapshot(o, src, name)
+	}
+	d.log.Info("created volume", "name", name, "image", vol.Spec.String(), "size", size, "from", src.id(),
+		"depth", len(chain)+1)
+	if step != cloneThenFlatten {
+		return nil
+	}
+	info, err := d.cfg.Images.ImageInfo(o, vol.Spec)
+	if err != nil {
+		return cephStatus(err, "look up the new volume "+describe(vol))
+	}
+	ref := ceph.ImageRef{Pool: vol.Spec.Pool, Namespace: vol.Spec.Namespace, ID: info.ID}
+	_, err = d.flat.start(vol.ClusterID, o, d.journal(o, vol.Spec.Pool, vol.Spec.Namespace), ref, vol.Spec.Image,
+		fmt.Sprintf("clone depth %d is past the soft depth %d", len(chain)+1, d.cfg.Limits.SoftDepth),
+		func() {
+			d.collectChain(o, vol.ClusterID, append([]ceph.Link{{Pool: src.ref.Pool, Namespace: src.ref.Namespace, ImageID: src.ref.ID}}, chain...))
+		})
+	if err != nil {
+		return cephStatus(err, "start flatten of the new volume")
+	}
+	return nil
+}
+
+// dropCloneSnapshot removes the temporary snapshot a clone was made
+// from (it moves to the trash namespace while the clone needs it). A
+// failure is only logged: the retried CreateVolume, or nothing, since a
+// leftover snapshot costs only its space.
+func (d *Driver) dropCloneSnapshot(o ceph.Options, src *volSource, name string) {
+	snaps, err := d.cfg.Images.ListSnapshots(o, src.volume.Spec)
+	if err != nil {
+		d.log.Warn("list the clone source's snapshots", "source", src.volume.ID(), "err", err)
+		return
+	}
+	tmp := hashName(cloneSnapPrefix, name)
+	for _, s := range snaps {
+		if s.Name == tmp && !s.Trash {
+			if err := d.cfg.Images.RemoveSnapshot(o, src.ref, s.ID); err != nil && !errors.Is(err, ceph.ErrSnapshotNotFound) {
+				d.log.Warn("remove the clone's temporary snapshot", "source", src.volume.ID(), "snapshot", tmp, "err", err)
+			}
+		}
+	}
+}

@@ -1,0 +1,173 @@
+package csi
+
+import (
+	"errors"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
+)
+
+// flattener runs the controller's flattens in the background, one per
+// image at a time: a retried CreateVolume that finds its parent's
+// flatten running waits for that one instead of starting another (what
+// ceph-csi's retry storms lacked, ceph-csi #2469). Each flatten is
+// recorded in the pool's journal before it starts and forgotten when it
+// ends, so a controller that dies mid-way finds it at start and runs it
+// again; librbd carries on from the objects already copied.
+type flattener struct {
+	images   Images
+	log      *slog.Logger
+	interval time.Duration // progress log period
+	slots    chan struct{} // bounds flattens running at once
+
+	mu   sync.Mutex
+	jobs map[string]*flattenJob
+}
+
+// flattenJob is one running flatten.
+type flattenJob struct {
+	ref         ceph.ImageRef
+	name        string
+	stop, done  chan struct{}
+	mu          sync.Mutex
+	doneObjects uint64
+	totalObj    uint64
+	err         error
+}
+
+// progress is the objects copied and the total, as last reported.
+func (j *flattenJob) progress() (uint64, uint64) {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	return j.doneObjects, j.totalObj
+}
+
+func newFlattener(images Images, log *slog.Logger, parallel int, interval time.Duration) *flattener {
+	return &flattener{images: images, log: log, interval: interval, slots: make(chan struct{}, parallel),
+		jobs: map[string]*flattenJob{}}
+}
+
+func jobKey(cluster string, ref ceph.ImageRef) string {
+	return cluster + "/" + ref.Pool + "/" + ref.Namespace + "/" + ref.ID
+}
+
+// running returns the job flattening ref's image, if any.
+func (f *flattener) running(cluster string, ref ceph.ImageRef) *flattenJob {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.jobs[jobKey(cluster, ref)]
+}
+
+// start flattens ref's image (named name, for the logs) unless a flatten
+// of it already runs; either way it returns the job. The flatten is in
+// the journal before start returns, so a controller restart cannot
+// lose it. onDone runs after a successful flatten.
+func (f *flattener) start(cluster string, o ceph.Options, j journal, ref ceph.ImageRef, name, reason string,
+	onDone func()) (*flattenJob, error) {
+	key := jobKey(cluster, ref)
+	f.mu.Lock()
+	if job := f.jobs[key]; job != nil {
+		f.mu.Unlock()
+		return job, nil
+	}
+	job := &flattenJob{ref: ref, name: name, stop: make(chan struct{}), done: make(chan struct{})}
+	f.jobs[key] = job
+	f.mu.Unlock()
+	rec := flattenRecord{Image: name, Reason: reason, Since: time.Now().UTC()}
+	if err := j.update(map[string]any{flattenKey(ref): rec}); err != nil {
+		f.mu.Lock()
+		delete(f.jobs, key)
+		f.mu.Unlock()
+		close(job.done)
+		return nil, err
+	}
+	go f.run(key, o, j, job, reason, onDone)
+	return job, nil
+}
+
+func (f *flattener) run(key string, o ceph.Options, j journal, job *flattenJob, reason string, onDone func()) {
+	log := f.log.With("image", job.name, "id", job.ref.String())
+	defer func() {
+		f.mu.Lock()
+		delete(f.jobs, key)
+		f.mu.Unlock()
+		close(job.done)
+	}()
+	select {
+	case f.slots <- struct{}{}:
+	case <-job.stop:
+		job.err = errFlattenCancelled
+		return
+	}
+	defer func() { <-f.slots }()
+	log.Info("flatten started", "reason", reason)
+	t0 := time.Now()
+	err := f.images.Flatten(o, job.ref, job.stop, f.interval, func(done, total uint64) {
+		job.mu.Lock()
+		job.doneObjects, job.totalObj = done, total
+		job.mu.Unlock()
+		if total > 0 {
+			log.Info("flatten progress", "objects", done, "of", total, "percent", done*100/total)
+		}
+	})
+	job.err = err
+	switch {
+	case err == nil:
+		log.Info("flatten done", "took", time.Since(t0).Round(time.Millisecond))
+	case errors.Is(err, ceph.ErrImageNotFound):
+		log.Info("flatten: the image is gone")
+	default:
+		select {
+		case <-job.stop:
+			log.Info("flatten stopped; it stays owed", "err", err)
+		default:
+			log.Error("flatten failed; the sweep retries it", "err", err)
+		}
+		return
+	}
+	if err := j.update(nil, flattenKey(job.ref)); err != nil {
+		log.Warn("flatten: cannot clear its journal entry", "err", err)
+	}
+	if err == nil && onDone != nil {
+		onDone()
+	}
+}
+
+var errFlattenCancelled = errors.New("flatten cancelled before it started")
+
+// cancel stops the flatten of ref's image, if one runs, and waits for
+// it: the image is about to be removed, and the flatten's open handle
+// would keep it.
+func (f *flattener) cancel(cluster string, ref ceph.ImageRef) {
+	job := f.running(cluster, ref)
+	if job == nil {
+		return
+	}
+	select {
+	case <-job.stop:
+	default:
+		close(job.stop)
+	}
+	<-job.done
+}
+
+// stopAll stops every flatten (the controller is shutting down); each
+// stays in the journal and is resumed by the next controller.
+func (f *flattener) stopAll() {
+	f.mu.Lock()
+	jobs := make([]*flattenJob, 0, len(f.jobs))
+	for _, j := range f.jobs {
+		jobs = append(jobs, j)
+	}
+	f.mu.Unlock()
+	for _, j := range jobs {
+		select {
+		case <-j.stop:
+		default:
+			close(j.stop)
+		}
+		<-j.done
+	}
+}
