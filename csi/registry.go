@@ -32,3 +32,29 @@ func (r DirRegistry) NodeExists(_ context.Context, nodeID string) (bool, error) 
 }
 
 func (r DirRegistry) path(nodeID string) string { return filepath.Join(r.Dir, url.PathEscape(nodeID)) }
+
+// SelfRegistry knows one node: its own, when the controller and node
+// roles share a process (csi-sanity's rig, a single-host install).
+type SelfRegistry struct{ NodeID string }
+
+func (r SelfRegistry) NodeExists(_ context.Context, nodeID string) (bool, error) {
+	return nodeID == r.NodeID, nil
+}
+
+// AnyRegistry knows a node if any of its registries does: the
+// Kubernetes CSINode, the process's own node, a shared directory.
+type AnyRegistry []NodeRegistry
+
+func (rs AnyRegistry) NodeExists(ctx context.Context, nodeID string) (bool, error) {
+	var errs []error
+	for _, r := range rs {
+		ok, err := r.NodeExists(ctx, nodeID)
+		if ok {
+			return true, nil
+		}
+		if err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return false, errors.Join(errs...)
+}

@@ -3,6 +3,8 @@ package main
 import (
 	"context"
 	"fmt"
+	"log/slog"
+	"net"
 	"os/signal"
 	"syscall"
 	"time"
@@ -14,7 +16,10 @@ import (
 	utilexec "k8s.io/utils/exec"
 
 	"github.com/rbd-nbd-go/rbd-nbd-go/csi"
+	"github.com/rbd-nbd-go/rbd-nbd-go/csi/k8snodes"
 	"github.com/rbd-nbd-go/rbd-nbd-go/csi/kubelet"
+	"github.com/rbd-nbd-go/rbd-nbd-go/internal/pidlimit"
+	"github.com/rbd-nbd-go/rbd-nbd-go/internal/profiling"
 	"github.com/rbd-nbd-go/rbd-nbd-go/rbdio"
 )
 
@@ -26,6 +31,14 @@ type csiOpts struct {
 	controllerSecretDir          string
 	registrationPath             string
 	registrationDir              string
+
+	// ceph-csi's own flags, so its Deployment's arguments work unchanged.
+	driverType       string
+	verbosity        int
+	pidLimit         int
+	profiling        bool
+	profilingAddress string
+	limits           csi.Limits
 }
 
 // newCSI is the CSI driver's entry point, with ceph-csi's flag names:
@@ -56,35 +69,68 @@ StorageClass parameters and Secret keys are ceph-csi's.`,
 	f.StringVar(&o.controllerSecretDir, "controller-secret-dir", "",
 		"directory with userID and userKey files (a mounted Secret): credentials for the calls that carry none (ListVolumes, GetCapacity, Probe)")
 	f.StringVar(&o.nodeRegistry, "node-registry", "",
-		"directory shared by controller and nodes: nodes register there and ControllerPublish refuses unknown node IDs (default: accept any)")
+		"directory shared by controller and nodes: nodes register there, and ControllerPublish knows them besides the CSINodes (in Kubernetes) and its own node")
 	f.StringVar(&o.registrationPath, "kubelet-registration-path", "",
 		"register the node plugin with the kubelet, giving it this host path of the CSI socket (leave empty when node-driver-registrar does it)")
 	f.StringVar(&o.registrationDir, "plugin-registration-dir", kubelet.DefaultRegistrationDir,
 		"the kubelet's plugin registration directory, as mounted in this container")
+	// ceph-csi's flags, with its names and defaults.
+	f.StringVar(&o.driverType, "type", "rbd", "driver type, as ceph-csi's: only rbd is served")
+	f.IntVar(&o.verbosity, "v", 0, "log verbosity on klog's scale: 0-3 info, 4 and up debug (overrides --log-level)")
+	f.IntVar(&o.pidLimit, "pidlimit", 0, "PID limit of the plugin's own cgroup: -1 unlimited, 0 leave it")
+	f.BoolVar(&o.profiling, "enableprofiling", false, "serve Go's pprof at --profiling-address")
+	f.StringVar(&o.profilingAddress, "profiling-address", "6060", "HOST:PORT for pprof (a bare PORT means 127.0.0.1)")
+	def := csi.DefaultLimits()
+	f.IntVar(&o.limits.HardDepth, "rbdhardmaxclonedepth", def.HardDepth,
+		"hard limit on a volume's clone depth: CreateVolume answers Aborted while the source is flattened")
+	f.IntVar(&o.limits.SoftDepth, "rbdsoftmaxclonedepth", def.SoftDepth,
+		"soft limit on clone depth: deeper new volumes are flattened in the background")
+	f.IntVar(&o.limits.MaxSnapshots, "maxsnapshotsonimage", def.MaxSnapshots,
+		"snapshots one image may have (trashed ones kept for clones included); past it CreateSnapshot waits for flattens or refuses")
+	f.IntVar(&o.limits.MinSnapshots, "minsnapshotsonimage", def.MinSnapshots,
+		"snapshots past which the clones of an image's trashed snapshots are flattened in the background")
 	return cmd
 }
 
 func runCSI(g *globalOpts, o csiOpts, version string) error {
+	if o.driverType != "rbd" {
+		return fmt.Errorf("--type %q: this driver serves rbd only", o.driverType)
+	}
 	if !o.controller && !o.node {
 		return fmt.Errorf("give --controllerserver, --nodeserver or both")
 	}
+	if err := o.limits.Validate(); err != nil {
+		return err
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
-	log := logger(g.logLevel)
+	level := g.logLevel
+	if o.verbosity >= 4 {
+		level = "debug"
+	} else if o.verbosity > 0 {
+		level = "info"
+	}
+	log := logger(level)
 	klog.SetSlogLogger(log) // mount-utils logs through klog
+	if path, err := (pidlimit.Cgroup{}).Set(o.pidLimit); err != nil {
+		return err
+	} else if path != "" {
+		log.Info("set the pid limit", "limit", o.pidLimit, "file", path)
+	}
 	cfg := csi.Config{Name: o.driverName, Version: version, NodeID: o.nodeID, Controller: o.controller,
-		Node: o.node, ClustersConfig: o.clustersConfig, StateDir: g.stateDir, Log: log,
+		Node: o.node, ClustersConfig: o.clustersConfig, StateDir: g.stateDir, Log: log, Limits: o.limits,
 		ControllerSecretDir: o.controllerSecretDir}
-	if o.nodeRegistry != "" {
-		reg := csi.DirRegistry{Dir: o.nodeRegistry}
-		if o.controller {
-			cfg.Nodes = reg
+	if o.nodeRegistry != "" && o.node {
+		if err := (csi.DirRegistry{Dir: o.nodeRegistry}).Register(o.nodeID); err != nil {
+			return fmt.Errorf("node registry: %w", err)
 		}
-		if o.node {
-			if err := reg.Register(o.nodeID); err != nil {
-				return fmt.Errorf("node registry: %w", err)
-			}
+	}
+	if o.controller {
+		nodes, err := nodeRegistry(o, log)
+		if err != nil {
+			return err
 		}
+		cfg.Nodes = nodes
 	}
 	if o.controller {
 		cfg.Images = rbdio.NewClusters()
@@ -115,11 +161,45 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 	// The registration socket opens beside the CSI socket, which already
 	// listens: the kubelet calls NodeGetInfo as soon as it learns of us.
 	// Either failing stops the other, and the plugin exits with the error.
+	var pl net.Listener
+	if o.profiling {
+		if pl, err = profiling.Listen(o.profilingAddress); err != nil {
+			l.Close()
+			return err
+		}
+	}
 	eg, ectx := errgroup.WithContext(ctx)
 	eg.Go(func() error { return d.Serve(ectx, l) })
+	if pl != nil {
+		eg.Go(func() error { return profiling.Serve(ectx, pl, log) })
+	}
 	if o.node && o.registrationPath != "" {
 		reg := &kubelet.Registration{Driver: o.driverName, Endpoint: o.registrationPath, Log: log}
 		eg.Go(func() error { return reg.Serve(ectx, o.registrationDir) })
 	}
 	return eg.Wait()
+}
+
+// nodeRegistry is how ControllerPublish tells real nodes from others:
+// in Kubernetes, the node's CSINode; the process's own node ID when it
+// serves the node role too; the --node-registry directory. Where none
+// applies (a controller alone, outside Kubernetes) any node ID passes.
+func nodeRegistry(o csiOpts, log *slog.Logger) (csi.NodeRegistry, error) {
+	var rs csi.AnyRegistry
+	if k, ok, err := k8snodes.InCluster(o.driverName); err != nil {
+		return nil, err
+	} else if ok {
+		rs = append(rs, k)
+	}
+	if o.node {
+		rs = append(rs, csi.SelfRegistry{NodeID: o.nodeID})
+	}
+	if o.nodeRegistry != "" {
+		rs = append(rs, csi.DirRegistry{Dir: o.nodeRegistry})
+	}
+	if len(rs) == 0 {
+		log.Warn("ControllerPublish cannot tell real nodes: not in Kubernetes, no node role, no --node-registry; any node ID is accepted")
+		return nil, nil
+	}
+	return rs, nil
 }

@@ -148,10 +148,14 @@ func startPlugin(t *testing.T, dir string) *plugin {
 // for its socket.
 func (p *plugin) start() {
 	t := p.t
-	args := []string{"--state-dir", filepath.Join(p.dir, "state"), "--log-level", "debug", "csi",
-		"--controllerserver", "--endpoint", "unix://" + p.sock,
-		"--clusters-config", filepath.Join(p.dir, "config.json"),
-		"--node-registry", filepath.Join(p.dir, "nodes"), "--nodeserver", "--nodeid", "sanity-node",
+	// ceph-csi's own arguments (its provisioner's, as the seed's YAML
+	// has them), and no --node-registry: ControllerPublish knows the
+	// process's own node.
+	args := []string{"--state-dir", filepath.Join(p.dir, "state"), "csi",
+		"--nodeid=sanity-node", "--type=rbd", "--controllerserver=true", "--endpoint=unix://" + p.sock, "--v=5",
+		"--drivername=rbd.csi.ceph.com", "--pidlimit=-1", "--rbdhardmaxclonedepth=8", "--rbdsoftmaxclonedepth=4",
+		"--enableprofiling=false",
+		"--clusters-config", filepath.Join(p.dir, "config.json"), "--nodeserver",
 		"--controller-secret-dir", filepath.Join(p.dir, "controller-secret")}
 	log, err := os.OpenFile(p.log, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o600)
 	if err != nil {
