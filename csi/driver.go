@@ -52,7 +52,7 @@ type Snapshots interface {
 	Children(o ceph.Options, ref ceph.ImageRef, snapID uint64) ([]ceph.Child, error)
 	CloneImage(o ceph.Options, parent, child ceph.ImageSpec, n ceph.NewImage) error
 	ParentChain(o ceph.Options, ref ceph.ImageRef, snapID uint64) ([]ceph.Link, error)
-	Flatten(o ceph.Options, ref ceph.ImageRef, stop <-chan struct{}, interval time.Duration,
+	Flatten(o ceph.Options, ref ceph.ImageRef, resumed bool, stop <-chan struct{}, interval time.Duration,
 		report func(done, total uint64)) error
 }
 

@@ -240,7 +240,7 @@ func (f *fakeImages) ParentChain(o ceph.Options, ref ceph.ImageRef, snapID uint6
 	return chain, fmt.Errorf("loop")
 }
 
-func (f *fakeImages) Flatten(o ceph.Options, ref ceph.ImageRef, stop <-chan struct{}, interval time.Duration,
+func (f *fakeImages) Flatten(o ceph.Options, ref ceph.ImageRef, resumed bool, stop <-chan struct{}, interval time.Duration,
 	report func(done, total uint64)) error {
 	f.mu.Lock()
 	gate := f.snapState().flattenGate

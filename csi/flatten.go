@@ -75,19 +75,26 @@ func (f *flattener) start(cluster string, o ceph.Options, j journal, ref ceph.Im
 	job := &flattenJob{ref: ref, name: name, stop: make(chan struct{}), done: make(chan struct{})}
 	f.jobs[key] = job
 	f.mu.Unlock()
-	rec := flattenRecord{Image: name, Reason: reason, Since: time.Now().UTC()}
-	if err := j.update(map[string]any{flattenKey(ref): rec}); err != nil {
+	// An entry already there is a flatten that did not finish: a
+	// controller died, or it failed. librbd must not trust the image's
+	// object map then (rbdio.Clusters.Flatten says why).
+	resumed, err := j.get(flattenKey(ref), nil)
+	if err == nil && !resumed {
+		rec := flattenRecord{Image: name, Reason: reason, Since: time.Now().UTC()}
+		err = j.update(map[string]any{flattenKey(ref): rec})
+	}
+	if err != nil {
 		f.mu.Lock()
 		delete(f.jobs, key)
 		f.mu.Unlock()
 		close(job.done)
 		return nil, err
 	}
-	go f.run(key, o, j, job, reason, onDone)
+	go f.run(key, o, j, job, reason, resumed, onDone)
 	return job, nil
 }
 
-func (f *flattener) run(key string, o ceph.Options, j journal, job *flattenJob, reason string, onDone func()) {
+func (f *flattener) run(key string, o ceph.Options, j journal, job *flattenJob, reason string, resumed bool, onDone func()) {
 	log := f.log.With("image", job.name, "id", job.ref.String())
 	defer func() {
 		f.mu.Lock()
@@ -102,9 +109,9 @@ func (f *flattener) run(key string, o ceph.Options, j journal, job *flattenJob, 
 		return
 	}
 	defer func() { <-f.slots }()
-	log.Info("flatten started", "reason", reason)
+	log.Info("flatten started", "reason", reason, "resumed", resumed)
 	t0 := time.Now()
-	err := f.images.Flatten(o, job.ref, job.stop, f.interval, func(done, total uint64) {
+	err := f.images.Flatten(o, job.ref, resumed, job.stop, f.interval, func(done, total uint64) {
 		job.mu.Lock()
 		job.doneObjects, job.totalObj = done, total
 		job.mu.Unlock()
@@ -118,6 +125,9 @@ func (f *flattener) run(key string, o ceph.Options, j journal, job *flattenJob, 
 		log.Info("flatten done", "took", time.Since(t0).Round(time.Millisecond))
 	case errors.Is(err, ceph.ErrImageNotFound):
 		log.Info("flatten: the image is gone")
+	case errors.Is(err, ceph.ErrLocked):
+		log.Info("flatten waits: an interrupted flatten resumes only while no node has the image mapped", "err", err)
+		return
 	default:
 		select {
 		case <-job.stop:

@@ -150,7 +150,20 @@ var ErrFlattenStopped = errors.New("flatten stopped")
 // and cuts it loose from them (with deep-flatten, its snapshots too).
 // report is called every interval with the objects done and the total;
 // closing stop cancels. An image without a parent is already flat.
-func (c *Clusters) Flatten(o ceph.Options, ref ceph.ImageRef, stop <-chan struct{}, interval time.Duration,
+//
+// resumed says an earlier flatten of the image may have died mid-way.
+// librbd marks an object as existing in the object map before it copies
+// it up; a client killed in between leaves the mark on an object that
+// is not there, a later flatten skips it, and once the parent is cut
+// loose the object reads as zeros (seen with Ceph 16.2.15: a whole 4 MiB
+// object lost; `rbd object-map rebuild` does not clear the mark). So a
+// resumed flatten first turns the object map off and on, which leaves
+// it invalid: librbd then copies up every object it cannot see (the
+// OSD's copyup writes only objects that do not exist), and the map is
+// rebuilt once the image is flat. With the image mapped elsewhere, the
+// lock owner makes both feature changes (seen working); should one be
+// refused, the flatten fails with ceph.ErrLocked and stays owed.
+func (c *Clusters) Flatten(o ceph.Options, ref ceph.ImageRef, resumed bool, stop <-chan struct{}, interval time.Duration,
 	report func(done, total uint64)) error {
 	ioctx, release, err := c.ioctx(o, refSpec(ref))
 	if err != nil {
@@ -162,6 +175,11 @@ func (c *Clusters) Flatten(o ceph.Options, ref ceph.ImageRef, stop <-chan struct
 		return refError(ref, "open", err)
 	}
 	defer m.close()
+	if resumed {
+		if err := m.distrustObjectMap(); err != nil {
+			return fmt.Errorf("flatten %s: reset its object map: %w", ref, err)
+		}
+	}
 	p := newProgress()
 	defer p.free()
 	done := make(chan error, 1)
@@ -173,10 +191,8 @@ func (c *Clusters) Flatten(o ceph.Options, ref ceph.ImageRef, stop <-chan struct
 		select {
 		case err := <-done:
 			switch {
-			case err == nil:
-				return nil
-			case errors.Is(err, syscall.EINVAL):
-				return nil // no parent: nothing to do
+			case err == nil, errors.Is(err, syscall.EINVAL): // EINVAL: no parent
+				return m.repairObjectMap()
 			case stopped && errors.Is(err, syscall.ECANCELED):
 				return ErrFlattenStopped
 			}
@@ -193,6 +209,36 @@ func (c *Clusters) Flatten(o ceph.Options, ref ceph.ImageRef, stop <-chan struct
 			stop = nil
 		}
 	}
+}
+
+// distrustObjectMap turns the object map (and fast-diff) off and on, if
+// the image has one, leaving it invalid until rebuilt.
+func (m mImage) distrustObjectMap() error {
+	f, err := m.features()
+	if err != nil || f&featureObjectMap == 0 {
+		return err
+	}
+	both := uint64(featureObjectMap) | f&featureFastDiff
+	if err := m.updateFeatures(both, false); err != nil {
+		if errors.Is(err, syscall.EROFS) || errors.Is(err, syscall.EBUSY) {
+			return matching{fmt.Errorf("the image is in use by another client: %w", err), ceph.ErrLocked}
+		}
+		return classify(err)
+	}
+	return classify(m.updateFeatures(both, true))
+}
+
+// repairObjectMap rebuilds an object map left invalid, so fast-diff
+// (used bytes, export-diff) works again.
+func (m mImage) repairObjectMap() error {
+	f, err := m.flags()
+	if err != nil || f&objectMapInvalid == 0 {
+		return err
+	}
+	if err := m.rebuildObjectMap(); err != nil {
+		return fmt.Errorf("rebuild the object map: %w", classify(err))
+	}
+	return nil
 }
 
 // RenameImage renames spec's image to name. Clones find their parent by

@@ -34,6 +34,10 @@ static int nbdgo_flatten(rbd_image_t img, struct nbdgo_progress *p) {
 	return rbd_flatten_with_progress(img, nbdgo_progress_cb, p);
 }
 
+static int nbdgo_rebuild_object_map(rbd_image_t img) {
+	return rbd_rebuild_object_map(img, nbdgo_noprogress, NULL);
+}
+
 static uint64_t nbdgo_load(uint64_t *v) { return __atomic_load_n(v, __ATOMIC_RELAXED); }
 static void nbdgo_cancel(struct nbdgo_progress *p) { __atomic_store_n(&p->cancel, 1, __ATOMIC_RELAXED); }
 */
@@ -130,3 +134,34 @@ func (p progress) cancel() { C.nbdgo_cancel(p.p) }
 // held elsewhere (a node has it mapped), librbd asks the lock owner to
 // run it and relays its progress.
 func (m mImage) flatten(p progress) error { return errnoOf(C.nbdgo_flatten(m.p, p.p)) }
+
+// Image flags (rbd_get_flags): RBD_FLAG_OBJECT_MAP_INVALID and
+// RBD_FLAG_FAST_DIFF_INVALID.
+func (m mImage) flags() (uint64, error) {
+	var f C.uint64_t
+	err := errnoOf(C.rbd_get_flags(m.p, &f))
+	return uint64(f), err
+}
+
+// objectMapInvalid: the image has an object map librbd does not trust.
+const objectMapInvalid = C.RBD_FLAG_OBJECT_MAP_INVALID
+
+// features is rbd_get_features.
+func (m mImage) features() (uint64, error) {
+	var f C.uint64_t
+	err := errnoOf(C.rbd_get_features(m.p, &f))
+	return uint64(f), err
+}
+
+const (
+	featureObjectMap = C.RBD_FEATURE_OBJECT_MAP
+	featureFastDiff  = C.RBD_FEATURE_FAST_DIFF
+)
+
+// updateFeatures is rbd_update_features.
+func (m mImage) updateFeatures(f uint64, enable bool) error {
+	return errnoOf(C.rbd_update_features(m.p, C.uint64_t(f), C.uint8_t(boolInt(enable))))
+}
+
+// rebuildObjectMap is rbd_rebuild_object_map.
+func (m mImage) rebuildObjectMap() error { return errnoOf(C.nbdgo_rebuild_object_map(m.p)) }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -107,7 +108,7 @@ func TestSnapshotCloneFlatten(t *testing.T) {
 	}
 
 	var reports int
-	err = cl.Flatten(opts(), ceph.ImageRef{Pool: "rbd", ID: info.ID}, nil, time.Millisecond,
+	err = cl.Flatten(opts(), ceph.ImageRef{Pool: "rbd", ID: info.ID}, false, nil, time.Millisecond,
 		func(done, total uint64) { reports++ })
 	if err != nil {
 		t.Fatal(err)
@@ -129,7 +130,7 @@ func TestSnapshotCloneFlatten(t *testing.T) {
 	if err := cl.RemoveImage(opts(), child); err != nil {
 		t.Fatal(err)
 	}
-	if err := cl.Flatten(opts(), ceph.ImageRef{Pool: "rbd", ID: info.ID}, nil, time.Second, nil); !errors.Is(err, ceph.ErrImageNotFound) {
+	if err := cl.Flatten(opts(), ceph.ImageRef{Pool: "rbd", ID: info.ID}, false, nil, time.Second, nil); !errors.Is(err, ceph.ErrImageNotFound) {
 		t.Fatalf("flatten of a removed image: %v", err)
 	}
 	t.Logf("flatten reported progress %d times", reports)
@@ -185,8 +186,13 @@ func TestSnapshotOfMappedImage(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := cl.Flatten(opts(), ceph.ImageRef{Pool: "rbd", ID: info.ID}, nil, time.Second, nil); err != nil {
+	// Resumed: the object map is reset first, through the lock owner,
+	// and rebuilt once the image is flat.
+	if err := cl.Flatten(opts(), ceph.ImageRef{Pool: "rbd", ID: info.ID}, true, nil, time.Second, nil); err != nil {
 		t.Fatalf("flatten of an image locked by another client: %v", err)
+	}
+	if out, err := cluster.Rbd("info", child.String()); err != nil || strings.Contains(out, "invalid") {
+		t.Fatalf("after a resumed flatten: %v\n%s", err, out)
 	}
 	if info, err := cl.ImageInfo(opts(), child); err != nil || info.Parent != nil {
 		t.Fatalf("after flatten: parent %+v %v", info.Parent, err)
