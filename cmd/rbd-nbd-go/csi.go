@@ -39,6 +39,8 @@ type csiOpts struct {
 	profiling        bool
 	profilingAddress string
 	limits           csi.Limits
+	sweepInterval    time.Duration
+	flattenProgress  time.Duration
 }
 
 // newCSI is the CSI driver's entry point, with ceph-csi's flag names:
@@ -89,6 +91,9 @@ StorageClass parameters and Secret keys are ceph-csi's.`,
 		"snapshots one image may have (trashed ones kept for clones included); past it CreateSnapshot waits for flattens or refuses")
 	f.IntVar(&o.limits.MinSnapshots, "minsnapshotsonimage", def.MinSnapshots,
 		"snapshots past which the clones of an image's trashed snapshots are flattened in the background")
+	f.DurationVar(&o.sweepInterval, "sweep-interval", time.Minute,
+		"how often the controller resumes owed flattens and removes deleted volumes' images nothing needs")
+	f.DurationVar(&o.flattenProgress, "flatten-progress-interval", 10*time.Second, "how often a running flatten logs its progress")
 	return cmd
 }
 
@@ -119,6 +124,7 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 	}
 	cfg := csi.Config{Name: o.driverName, Version: version, NodeID: o.nodeID, Controller: o.controller,
 		Node: o.node, ClustersConfig: o.clustersConfig, StateDir: g.stateDir, Log: log, Limits: o.limits,
+		SweepInterval: o.sweepInterval, FlattenProgress: o.flattenProgress,
 		ControllerSecretDir: o.controllerSecretDir}
 	if o.nodeRegistry != "" && o.node {
 		if err := (csi.DirRegistry{Dir: o.nodeRegistry}).Register(o.nodeID); err != nil {

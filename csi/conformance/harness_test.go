@@ -117,9 +117,11 @@ type plugin struct {
 	sock     string
 	cmd      *exec.Cmd
 	conn     *grpc.ClientConn
+	// extra arguments of the csi command, for tests that change flags.
+	extra []string
 }
 
-func startPlugin(t *testing.T, dir string) *plugin {
+func startPlugin(t *testing.T, dir string, extra ...string) *plugin {
 	t.Helper()
 	needCluster(t)
 	conf := filepath.Join(dir, "config.json")
@@ -129,7 +131,7 @@ func startPlugin(t *testing.T, dir string) *plugin {
 	os.MkdirAll(sec, 0o700)
 	os.WriteFile(filepath.Join(sec, "userID"), []byte("admin"), 0o600)
 	os.WriteFile(filepath.Join(sec, "userKey"), []byte(cluster.key), 0o600)
-	p := &plugin{t: t, dir: dir, sock: filepath.Join(dir, "csi.sock"), log: filepath.Join(dir, "plugin.log")}
+	p := &plugin{t: t, dir: dir, sock: filepath.Join(dir, "csi.sock"), log: filepath.Join(dir, "plugin.log"), extra: extra}
 	p.start()
 	t.Cleanup(func() {
 		p.conn.Close()
@@ -157,6 +159,7 @@ func (p *plugin) start() {
 		"--enableprofiling=false",
 		"--clusters-config", filepath.Join(p.dir, "config.json"), "--nodeserver",
 		"--controller-secret-dir", filepath.Join(p.dir, "controller-secret")}
+	args = append(args, p.extra...)
 	log, err := os.OpenFile(p.log, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o600)
 	if err != nil {
 		t.Fatal(err)
