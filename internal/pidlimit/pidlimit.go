@@ -45,6 +45,9 @@ func (c Cgroup) Set(limit int) (string, error) {
 		self = "/proc/self/cgroup"
 	}
 	dir, err := pidsDir(root, self)
+	if errors.Is(err, errNoPids) && limit == -1 {
+		return "", nil // no pids cgroup, no limit: unlimited already
+	}
 	if err != nil || dir == "" {
 		return "", err
 	}
@@ -95,8 +98,11 @@ func pidsDir(root, self string) (string, error) {
 		}
 		return filepath.Join(root, v2), nil
 	}
-	return "", errors.New("own cgroup: no pids controller in " + self)
+	return "", fmt.Errorf("%w in %s", errNoPids, self)
 }
+
+// errNoPids: the process is in no pids cgroup (none is mounted).
+var errNoPids = errors.New("own cgroup: no pids controller")
 
 func containsField(list, name string) bool {
 	for _, f := range strings.Split(list, ",") {

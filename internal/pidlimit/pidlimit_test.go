@@ -18,6 +18,7 @@ func TestSet(t *testing.T) {
 		{"root v1", "8:pids:/\n0::/\n", "", -1, ""},
 		{"root v2", "0::/\n", "", -1, ""},
 		{"leave it", "0::/a\n", "a", 0, "1024"},
+		{"no cgroup at all", "", "", -1, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			root := t.TempDir()
@@ -52,5 +53,9 @@ func TestSet(t *testing.T) {
 	}
 	if _, err := (Cgroup{}).Set(-5); err == nil {
 		t.Fatal("-5 accepted")
+	}
+	os.WriteFile(filepath.Join(root, "self"), nil, 0o600)
+	if _, err := (Cgroup{Root: root, Self: filepath.Join(root, "self")}).Set(100); err == nil {
+		t.Fatal("a limit of 100 set with no pids cgroup")
 	}
 }
