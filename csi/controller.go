@@ -170,6 +170,11 @@ func (d *Driver) createVolume(o ceph.Options, name string, vol volume, p params,
 				"volume %q exists with %d bytes, outside the requested range", name, info.Size)
 		}
 		size = info.Size
+		if src != nil {
+			if err := d.cloneDepthOK(o, vol, info); err != nil {
+				return nil, err
+			}
+		}
 		if src != nil && src.volume != nil {
 			d.dropCloneSnapshot(o, src, name)
 		}

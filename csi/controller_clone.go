@@ -34,6 +34,9 @@ type volSource struct {
 	name   string // the source image's name, for logs
 	size   uint64
 	kind   string // volumeKind of the source, "" if unknown
+	// deepFlatten: flattening the source image cuts the chain a clone of
+	// it would have (see cloneStep).
+	deepFlatten bool
 }
 
 // id is the source's CSI ID, as metaSource records it ("" for none).
@@ -72,6 +75,11 @@ func (d *Driver) resolveSource(o ceph.Options, clusterID string, c *csi.VolumeCo
 		}
 		src = &volSource{snapshot: &sid, ref: sid.Image, snapID: sid.SnapID, size: s.Size, name: s.ImageName,
 			parent: ceph.ImageSpec{Pool: sid.Image.Pool, Namespace: sid.Image.Namespace, Image: s.ImageName, Snap: s.Name}}
+		info, err := d.cfg.Images.ImageInfo(o, ceph.ImageSpec{Pool: sid.Image.Pool, Namespace: sid.Image.Namespace, Image: s.ImageName})
+		if err != nil {
+			return nil, cephStatus(err, "look up the image of snapshot "+sid.String())
+		}
+		src.deepFlatten = info.HasFeature("deep-flatten")
 		j := d.journal(o, sid.Image.Pool, sid.Image.Namespace)
 		if name, ok, err := j.getString(snapIDKey(sid)); err == nil && ok {
 			var rec snapRecord
@@ -99,7 +107,7 @@ func (d *Driver) resolveSource(o ceph.Options, clusterID string, c *csi.VolumeCo
 			return nil, status.Errorf(codes.InvalidArgument, "source volume %s has no layering feature: it cannot be cloned", describe(v))
 		}
 		src = &volSource{volume: &v, ref: ceph.ImageRef{Pool: v.Spec.Pool, Namespace: v.Spec.Namespace, ID: info.ID},
-			size: info.Size, name: v.Spec.Image, kind: info.Meta[metaKind]}
+			size: info.Size, name: v.Spec.Image, kind: info.Meta[metaKind], deepFlatten: true}
 	default:
 		return nil, status.Error(codes.InvalidArgument, "volume content source is neither a snapshot nor a volume")
 	}
@@ -126,7 +134,7 @@ func (d *Driver) cloneVolume(o ceph.Options, name string, vol volume, p params, 
 	if err != nil {
 		return cephStatus(err, "parent chain of "+src.id())
 	}
-	step := d.cfg.Limits.cloneStep(len(chain))
+	step := d.cfg.Limits.cloneStep(len(chain), src.deepFlatten)
 	if step == flattenParentFirst {
 		j := d.journal(o, src.ref.Pool, src.ref.Namespace)
 		job, err := d.flat.start(vol.ClusterID, o, j, src.ref, src.name,
@@ -172,23 +180,62 @@ func (d *Driver) cloneVolume(o ceph.Options, name string, vol volume, p params, 
 	}
 	d.log.Info("created volume", "name", name, "image", vol.Spec.String(), "size", size, "from", src.id(),
 		"depth", len(chain)+1)
-	if step != cloneThenFlatten {
+	if step != cloneThenFlatten && step != flattenCloneFirst {
 		return nil
 	}
+	reason := fmt.Sprintf("clone depth %d is past the soft depth %d", len(chain)+1, d.cfg.Limits.SoftDepth)
+	if step == flattenCloneFirst {
+		reason = fmt.Sprintf("clone depth %d is past the hard depth %d", len(chain)+1, d.cfg.Limits.HardDepth)
+	}
+	parents := append([]ceph.Link{{Pool: src.ref.Pool, Namespace: src.ref.Namespace, ImageID: src.ref.ID}}, chain...)
+	job, err := d.flattenVolume(o, vol, reason, parents)
+	if err != nil || step == cloneThenFlatten {
+		return err
+	}
+	return tooDeep(vol, len(chain)+1, d.cfg.Limits.HardDepth, job)
+}
+
+// flattenVolume starts flattening vol's image; parents is its chain, to
+// collect once it is cut loose.
+func (d *Driver) flattenVolume(o ceph.Options, vol volume, reason string, parents []ceph.Link) (*flattenJob, error) {
 	info, err := d.cfg.Images.ImageInfo(o, vol.Spec)
 	if err != nil {
-		return cephStatus(err, "look up the new volume "+describe(vol))
+		return nil, cephStatus(err, "look up the new volume "+describe(vol))
 	}
 	ref := ceph.ImageRef{Pool: vol.Spec.Pool, Namespace: vol.Spec.Namespace, ID: info.ID}
-	_, err = d.flat.start(vol.ClusterID, o, d.journal(o, vol.Spec.Pool, vol.Spec.Namespace), ref, vol.Spec.Image,
-		fmt.Sprintf("clone depth %d is past the soft depth %d", len(chain)+1, d.cfg.Limits.SoftDepth),
-		func() {
-			d.collectChain(o, vol.ClusterID, append([]ceph.Link{{Pool: src.ref.Pool, Namespace: src.ref.Namespace, ImageID: src.ref.ID}}, chain...))
-		})
+	job, err := d.flat.start(vol.ClusterID, o, d.journal(o, vol.Spec.Pool, vol.Spec.Namespace), ref, vol.Spec.Image,
+		reason, func() { d.collectChain(o, vol.ClusterID, parents) })
 	if err != nil {
-		return cephStatus(err, "start flatten of the new volume")
+		return nil, cephStatus(err, "start flatten of "+describe(vol))
 	}
-	return nil
+	return job, nil
+}
+
+// tooDeep is the answer while a new volume past the hard depth is
+// flattened before it is handed out.
+func tooDeep(vol volume, depth, hard int, job *flattenJob) error {
+	done, total := job.progress()
+	return status.Errorf(codes.Aborted, "volume %s has %d parents, past the hard depth %d: flattening it first (%d of %d objects)",
+		describe(vol), depth, hard, done, total)
+}
+
+// cloneDepthOK is the check a retried CreateVolume of a clone makes: a
+// volume still past the hard depth is not handed out; its flatten is
+// (re)started and the answer is Aborted.
+func (d *Driver) cloneDepthOK(o ceph.Options, vol volume, info ceph.ImageInfo) error {
+	ref := ceph.ImageRef{Pool: vol.Spec.Pool, Namespace: vol.Spec.Namespace, ID: info.ID}
+	chain, err := d.cfg.Images.ParentChain(o, ref, 0)
+	if err != nil {
+		return cephStatus(err, "parent chain of "+describe(vol))
+	}
+	if len(chain) <= d.cfg.Limits.HardDepth {
+		return nil
+	}
+	job, err := d.flattenVolume(o, vol, fmt.Sprintf("clone depth %d is past the hard depth %d", len(chain), d.cfg.Limits.HardDepth), chain)
+	if err != nil {
+		return err
+	}
+	return tooDeep(vol, len(chain), d.cfg.Limits.HardDepth, job)
 }
 
 // dropCloneSnapshot removes the temporary snapshot a clone was made

@@ -174,7 +174,14 @@ func (d *Driver) snapshotReady(o ceph.Options, id snapshotID, imageName string) 
 	if err != nil {
 		return false, cephStatus(err, "parent chain of snapshot "+id.String())
 	}
-	if d.cfg.Limits.cloneStep(len(chain)) != flattenParentFirst {
+	info, err := d.cfg.Images.ImageInfo(o, ceph.ImageSpec{Pool: id.Image.Pool, Namespace: id.Image.Namespace, Image: imageName})
+	if err != nil {
+		return false, cephStatus(err, "look up the image of snapshot "+id.String())
+	}
+	// Without deep-flatten, flattening the image leaves the snapshot's
+	// chain: a restore then flattens the new volume before handing it
+	// out, and the snapshot is ready as it is.
+	if d.cfg.Limits.cloneStep(len(chain), info.HasFeature("deep-flatten")) != flattenParentFirst {
 		return true, nil
 	}
 	j := d.journal(o, id.Image.Pool, id.Image.Namespace)

@@ -33,10 +33,14 @@ func (r *rig) snapshot(t *testing.T, name, source string) *csi.Snapshot {
 }
 
 func (r *rig) restore(name string, src *csi.VolumeContentSource, size int64) (*csi.Volume, error) {
+	return r.restoreWith(name, src, size, map[string]string{"clusterID": "c1", "pool": "rbd"})
+}
+
+func (r *rig) restoreWith(name string, src *csi.VolumeContentSource, size int64, params map[string]string) (*csi.Volume, error) {
 	resp, err := r.d.CreateVolume(context.Background(), &csi.CreateVolumeRequest{Name: name,
 		CapacityRange:      &csi.CapacityRange{RequiredBytes: size},
 		VolumeCapabilities: []*csi.VolumeCapability{mountCap("ext4", rwo)},
-		Parameters:         map[string]string{"clusterID": "c1", "pool": "rbd"}, Secrets: goodSecrets, VolumeContentSource: src})
+		Parameters:         params, Secrets: goodSecrets, VolumeContentSource: src})
 	return resp.GetVolume(), err
 }
 
@@ -286,25 +290,34 @@ func (r *rig) depth(t *testing.T, volID string) int {
 // A chain of restores, each from a snapshot of the one before, with
 // soft depth 1 and hard depth 2: every volume returned is within the
 // hard depth, a retry never starts a second flatten, and the background
-// flattens bring every volume to the soft depth.
+// flattens bring every volume to the soft depth. Without deep-flatten a
+// flattened image keeps its snapshots' chains, so the new volume is
+// flattened before it is handed out instead of its source.
 func TestRestoreChainDepth(t *testing.T) {
+	for _, features := range []string{"layering,exclusive-lock,object-map,fast-diff,deep-flatten", "layering,exclusive-lock"} {
+		t.Run(features, func(t *testing.T) { restoreChain(t, features) })
+	}
+}
+
+func restoreChain(t *testing.T, features string) {
 	r := newRigWith(t, func(c *Config) { c.Limits = Limits{SoftDepth: 1, HardDepth: 2, MinSnapshots: 100, MaxSnapshots: 200} })
 	gate := make(chan struct{})
 	r.images.snapState().flattenGate = gate
-	vols := []*csi.Volume{r.create(t, "v0", 64<<20, nil)}
+	params := map[string]string{"clusterID": "c1", "pool": "rbd", "imageFeatures": features}
+	vols := []*csi.Volume{r.create(t, "v0", 64<<20, params)}
 	aborted := 0
 	for i := 1; i <= 4; i++ {
 		s := r.snapshot(t, "s"+string(rune('0'+i)), vols[i-1].VolumeId)
 		var v *csi.Volume
 		for try := 0; ; try++ {
 			var err error
-			v, err = r.restore("v"+string(rune('0'+i)), snapSource(s.SnapshotId), 64<<20)
+			v, err = r.restoreWith("v"+string(rune('0'+i)), snapSource(s.SnapshotId), 64<<20, params)
 			if err == nil {
 				break
 			}
 			wantCode(t, "restore past the hard depth", err, codes.Aborted, "flattening")
 			aborted++
-			if try == 3 {
+			if try == 3 && gate != nil {
 				// Retries find the flatten running and start no other.
 				r.images.mu.Lock()
 				n := len(r.images.ss.flattens)
@@ -328,9 +341,8 @@ func TestRestoreChainDepth(t *testing.T) {
 	if gate != nil {
 		close(gate)
 	}
-	for i, v := range vols {
+	for _, v := range vols {
 		waitFor(t, "background flattens", func() bool { return r.depth(t, v.VolumeId) <= 1 })
-		_ = i
 	}
 	r.images.mu.Lock()
 	seen := map[string]int{}
@@ -395,8 +407,14 @@ func TestLimitsDecisions(t *testing.T) {
 	l := Limits{SoftDepth: 2, HardDepth: 4, MinSnapshots: 3, MaxSnapshots: 5}
 	for parent, want := range map[int]cloneStep{0: cloneNow, 1: cloneNow, 2: cloneThenFlatten, 3: cloneThenFlatten,
 		4: flattenParentFirst, 9: flattenParentFirst} {
-		if got := l.cloneStep(parent); got != want {
-			t.Errorf("cloneStep(%d) = %v, want %v", parent, got, want)
+		if got := l.cloneStep(parent, true); got != want {
+			t.Errorf("cloneStep(%d, deep-flatten) = %v, want %v", parent, got, want)
+		}
+		if want == flattenParentFirst {
+			want = flattenCloneFirst
+		}
+		if got := l.cloneStep(parent, false); got != want {
+			t.Errorf("cloneStep(%d, no deep-flatten) = %v, want %v", parent, got, want)
 		}
 	}
 	for _, tc := range []struct {

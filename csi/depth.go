@@ -65,11 +65,22 @@ const (
 	// the parent (its chain goes, snapshots included with deep-flatten)
 	// and answer Aborted until that is done.
 	flattenParentFirst
+	// flattenCloneFirst: the clone would pass the hard limit and
+	// flattening the parent would not help (a snapshot of an image
+	// without deep-flatten keeps its chain). Make the clone, flatten
+	// it, and answer Aborted until that is done.
+	flattenCloneFirst
 )
 
-func (l Limits) cloneStep(parentDepth int) cloneStep {
+// cloneStep decides for a parent chain of parentDepth links; deepFlatten
+// says whether flattening the parent cuts the chain of the snapshot
+// cloned (always, for a volume's head; for a snapshot, only with the
+// deep-flatten feature).
+func (l Limits) cloneStep(parentDepth int, deepFlatten bool) cloneStep {
 	d := parentDepth + 1
 	switch {
+	case d > l.HardDepth && !deepFlatten:
+		return flattenCloneFirst
 	case d > l.HardDepth:
 		return flattenParentFirst
 	case d > l.SoftDepth:

@@ -265,8 +265,10 @@ func (f *fakeImages) Flatten(o ceph.Options, ref ceph.ImageRef, resumed bool, st
 	i.Parent = nil
 	f.images[k] = i
 	s := f.snapState()
-	for n := range s.snaps[ref.ID] {
-		s.snaps[ref.ID][n].parent = nil
+	if i.HasFeature("deep-flatten") {
+		for n := range s.snaps[ref.ID] {
+			s.snaps[ref.ID][n].parent = nil
+		}
 	}
 	s.flattens = append(s.flattens, ref.ID)
 	if p != nil {
