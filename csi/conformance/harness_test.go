@@ -183,7 +183,7 @@ func (p *plugin) start() {
 			break
 		}
 		if i > 1200 {
-			t.Fatalf("the plugin did not listen on %s", p.sock)
+			t.Fatalf("the plugin did not listen on %s; its log:\n%s", p.sock, tail(readFile(p.log), 20))
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
