@@ -11,7 +11,10 @@
 # b  Retain: PV Released, image kept, a static PV binds a new PVC, data there
 # c  raw block: the device's size, fio verify
 # d  online expansion while a pod writes: fs and PVC capacity follow
-# e  snapshots and clones: skipped until the driver offers them
+# e  snapshots, restores and clones: a VolumeSnapshot of a mounted PVC
+#    (the node freezes it), more writes, a larger PVC from it (snapshot-
+#    time data, grown fs), a PVC clone, the source deleted while its
+#    snapshot lives, a second restore, everything deleted: pool empty
 # f  restart under I/O: node plugin pod deleted, then its processes
 #    killed, while fio verifies: zero errors, fs still read-write
 # g  bad input: unknown clusterID, wrong key (provisioning and staging):
@@ -148,7 +151,8 @@ PY
 	check "the Secret, ceph-csi's key names" eval 'kubectl -n $NS create secret generic csi-rbd-secret \
 		--from-file=userID="$work/userID" --from-file=userKey="$work/admin.key" >/dev/null'
 	check "the example StorageClasses" eval 'kubectl apply -f "$root/deploy/kubernetes/examples/storageclass-ext4.yaml" \
-		-f "$root/deploy/kubernetes/examples/storageclass-xfs.yaml" -f "$root/deploy/kubernetes/examples/storageclass-block.yaml" >/dev/null'
+		-f "$root/deploy/kubernetes/examples/storageclass-xfs.yaml" -f "$root/deploy/kubernetes/examples/storageclass-block.yaml" \
+		-f "$root/deploy/kubernetes/examples/snapshotclass.yaml" >/dev/null'
 	t0=$(date +%s)
 	check "the controller Deployment is available" eval "kubectl -n $NS rollout status deploy/rbd-nbd-go-controller --timeout=300s >/dev/null"
 	check "the node DaemonSet is ready" eval "kubectl -n $NS rollout status ds/rbd-nbd-go-node --timeout=300s >/dev/null"
@@ -279,10 +283,88 @@ scenario_d() {
 	kubectl delete pvc d --wait=true >/dev/null
 }
 
-# --- e: snapshots and clones
+# --- e: snapshots, restores and clones
+snap_of() { # snap_of NAME PVC: a VolumeSnapshot of the example class
+	kubectl apply -f - >/dev/null <<EOF
+apiVersion: snapshot.storage.k8s.io/v1
+kind: VolumeSnapshot
+metadata: {name: $1}
+spec: {volumeSnapshotClassName: rbd-nbd-go-snapclass, source: {persistentVolumeClaimName: $2}}
+EOF
+}
+pvc_from() { # pvc_from NAME SIZE KIND SOURCE: a PVC from a VolumeSnapshot or a PVC
+	local ds="{name: $4, kind: PersistentVolumeClaim}"
+	[ "$3" = snapshot ] && ds="{name: $4, kind: VolumeSnapshot, apiGroup: snapshot.storage.k8s.io}"
+	kubectl apply -f - >/dev/null <<EOF
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {name: $1}
+spec:
+  accessModes: [ReadWriteOnce]
+  storageClassName: rbd-nbd-go-ext4
+  resources: {requests: {storage: $2}}
+  dataSource: $ds
+EOF
+}
+pool_clean() { [ -z "$(rbd ls rbd)" ] && [ -z "$(rbd trash ls rbd)" ]; }
 scenario_e() {
-	log "  SKIP: the driver does not take snapshots or clones yet (no CREATE_DELETE_SNAPSHOT, no CLONE_VOLUME),"
-	log "        so deploy/kubernetes runs no csi-snapshotter and the VolumeSnapshotClass example is inert."
+	local t0 srcimg
+	pvc e-src 512Mi rbd-nbd-go-ext4
+	check "source PVC Bound" wait_jp 300 pvc e-src '{.status.phase}' '^Bound$'
+	# The snapshot is taken while the pod has the volume mounted and its
+	# last write still in the page cache: the node freezes the filesystem.
+	kubectl apply -f - >/dev/null <<EOF
+apiVersion: v1
+kind: Pod
+metadata: {name: e-w}
+spec:
+  hostNetwork: true
+  terminationGracePeriodSeconds: 1
+  containers:
+    - name: app
+      image: $APP
+      imagePullPolicy: Never
+      command: [sh, -c, "dd if=/dev/urandom of=/data/blob bs=1M count=16 2>/dev/null && md5sum /data/blob >/data/snap.md5 && touch /data/ready && sleep 3600"]
+      readinessProbe: {exec: {command: [test, -f, /data/ready]}, periodSeconds: 1}
+      volumeMounts: [{name: v, mountPath: /data}]
+  volumes: [{name: v, persistentVolumeClaim: {claimName: e-src}}]
+EOF
+	check "a pod writes 16 MiB and stays, the volume mounted" wait_jp 300 pod e-w '{.status.containerStatuses[0].ready}' '^true$'
+	t0=$(date +%s)
+	snap_of e-snap e-src
+	check "VolumeSnapshot readyToUse" wait_jp 300 volumesnapshot e-snap '{.status.readyToUse}' '^true$'
+	log "    snapshot of the mounted volume ready $(($(date +%s) - t0)) s after it was asked for"
+	check "... and the node froze the filesystem for it" grep -q "snapshot quiesce hook.*quiesce=true target=/var/lib/kubelet" /run/rbd-nbd-go/daemon.log
+	kubectl delete pod e-w --wait=true >/dev/null
+	pod e-w2 e-src 'dd if=/dev/urandom of=/data/blob bs=1M count=16 2>/dev/null && md5sum /data/blob >/data/blob.md5 && echo later >/data/later && sync'
+	check "more writes after the snapshot" pod_done 300 e-w2
+	kubectl delete pod e-w2 --wait=true >/dev/null
+	pvc_from e-restore 1Gi snapshot e-snap
+	check "PVC from the snapshot, larger, Bound" wait_jp 300 pvc e-restore '{.status.phase}' '^Bound$'
+	pod e-r e-restore 'cd /data && md5sum -c snap.md5 >/dev/null && [ ! -e later ] && df -k /data | awk "NR==2 {print \"size_kb=\" \$2}" >/dev/termination-log'
+	check "the restore holds the snapshot-time data, not later writes" pod_done 300 e-r
+	check "... on a filesystem grown to 1Gi ($(cat "$work/msg"))" eval "[ \$(sed -n 's/size_kb=//p' $work/msg) -gt 900000 ]"
+	kubectl delete pod e-r --wait=true >/dev/null
+	pvc_from e-clone 512Mi pvc e-src
+	check "PVC clone of the PVC Bound" wait_jp 300 pvc e-clone '{.status.phase}' '^Bound$'
+	pod e-c e-clone 'cd /data && md5sum -c blob.md5 >/dev/null && grep -qx later later'
+	check "the clone holds the source's data as of the clone" pod_done 300 e-c
+	kubectl delete pod e-c --wait=true >/dev/null
+	srcimg=$(pv_image "$(jp pvc e-src '{.spec.volumeName}')")
+	kubectl delete pvc e-src --wait=true >/dev/null
+	check "the source PVC deleted while its snapshot lives: its image is kept, renamed" \
+		eval "k8s_wait 120 'source image renamed' eval '! image_exists $srcimg && rbd ls rbd | grep -q ^csi-gone-'"
+	pvc_from e-restore2 512Mi snapshot e-snap
+	check "a second restore, after the source is gone, Bound" wait_jp 300 pvc e-restore2 '{.status.phase}' '^Bound$'
+	pod e-r2 e-restore2 'cd /data && md5sum -c snap.md5 >/dev/null && [ ! -e later ]'
+	check "... holds the snapshot-time data" pod_done 300 e-r2
+	kubectl delete pod e-r2 --wait=true >/dev/null
+	kubectl delete volumesnapshot e-snap --wait=true --timeout=120s >/dev/null
+	kubectl delete pvc e-restore e-restore2 e-clone --wait=true --timeout=180s >/dev/null
+	t0=$(date +%s)
+	check "everything deleted: nothing left in the pool or its trash" eval "k8s_wait 300 'pool empty' pool_clean || { rbd ls -l rbd >$work/why; rbd trash ls rbd >>$work/why; false; }"
+	log "    pool and trash empty $(($(date +%s) - t0)) s after the last PVC went"
+	check "no VolumeSnapshotContent left" eval "[ -z \"\$(kubectl get volumesnapshotcontent -o name)\" ]"
 }
 
 # --- f: the node plugin restarted under I/O
