@@ -150,7 +150,12 @@ func (d *Driver) cloneVolume(o ceph.Options, name string, vol volume, p params, 
 	}
 	parent := src.parent
 	if src.volume != nil {
-		s, err := d.cfg.Images.CreateSnapshot(o, src.volume.Spec, hashName(cloneSnapPrefix, name), ceph.QuiesceRequired)
+		var s ceph.SnapshotOf
+		err := d.flat.quiet(vol.ClusterID, src.ref, func() error {
+			var err error
+			s, err = d.cfg.Images.CreateSnapshot(o, src.volume.Spec, hashName(cloneSnapPrefix, name), ceph.QuiesceRequired)
+			return err
+		})
 		if err != nil {
 			return cephStatus(err, "snapshot source "+describe(*src.volume))
 		}

@@ -118,7 +118,13 @@ func (d *Driver) createSnapshot(o ceph.Options, src volume, name string, p snapP
 			return nil, err
 		}
 	}
-	s, err := d.cfg.Images.CreateSnapshot(o, src.Spec, rec.Snap, ceph.QuiesceRequired)
+	var s ceph.SnapshotOf
+	ref := ceph.ImageRef{Pool: src.Spec.Pool, Namespace: src.Spec.Namespace, ID: info.ID}
+	err = d.flat.quiet(src.ClusterID, ref, func() error {
+		var err error
+		s, err = d.cfg.Images.CreateSnapshot(o, src.Spec, rec.Snap, ceph.QuiesceRequired)
+		return err
+	})
 	if err != nil {
 		if strings.Contains(err.Error(), "could not quiesce") {
 			return nil, status.Errorf(codes.Unavailable, "snapshot %q of %s: %v", name, describe(src), err)
