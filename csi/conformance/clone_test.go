@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -174,52 +175,75 @@ func (c *controller) deleteSnapshot(id string) {
 	}
 }
 
-// poolEmpty waits until the pool holds no image and its trash nothing.
-func poolEmpty(t *testing.T, within time.Duration) time.Duration {
+// allGone waits until none of images is in the pool, no deleted
+// volume's image is kept (csi-gone-*), and the trash is empty: what
+// the test made is gone, whatever other tests sharing the cluster left.
+func allGone(t *testing.T, images []string, within time.Duration) time.Duration {
 	t.Helper()
 	t0 := time.Now()
 	for {
-		images := strings.TrimSpace(run(t, "rbd", "ls", "rbd"))
+		var left []string
+		for _, img := range strings.Fields(run(t, "rbd", "ls", "rbd")) {
+			if slices.Contains(images, img) || strings.HasPrefix(img, "csi-gone-") {
+				left = append(left, img)
+			}
+		}
 		trash := strings.TrimSpace(run(t, "rbd", "trash", "ls", "rbd"))
-		if images == "" && trash == "" {
+		if len(left) == 0 && trash == "" {
 			return time.Since(t0)
 		}
 		if time.Since(t0) > within {
-			t.Fatalf("after %s the pool still holds images %q and trash %q", within, images, trash)
+			t.Fatalf("after %s the pool still holds %q and its trash %q", within, left, trash)
 		}
 		time.Sleep(time.Second)
 	}
 }
 
-// A chain of restores, each from a snapshot of the one before, with
-// --rbdsoftmaxclonedepth=1 --rbdhardmaxclonedepth=2: no volume returned
-// is deeper than 2, every one reaches depth 1 or 0 in the background,
-// the last still holds the first's data, and deleting everything
-// leaves the pool and its trash empty.
+func imagesOf(volIDs ...string) []string {
+	var out []string
+	for _, v := range volIDs {
+		out = append(out, imageOf(v))
+	}
+	return out
+}
+
+// Chains of restores, each from a snapshot of the one before, with
+// --rbdhardmaxclonedepth=2 and one librbd management op at a time (so
+// flattens take seconds): no volume returned is deeper than 2 (rbd info
+// walks the chain), every one holds the first's data byte for byte,
+// and with everything deleted the pool and its trash are empty.
+//
+// With --rbdsoftmaxclonedepth=2, the snapshot of a depth-2 volume is not
+// ready and its restore answers Aborted until the source is flattened.
+// With --rbdsoftmaxclonedepth=1, volumes past it are flattened in the
+// background and every one ends at depth 1 or 0; a snapshot waits for
+// its image's flatten (librbd loses data otherwise: flatten.go).
 func TestRestoreChainDepth(t *testing.T) {
 	needCluster(t)
-	c := newController(t, "--rbdsoftmaxclonedepth=1", "--rbdhardmaxclonedepth=2", "--sweep-interval=5s",
-		"--flatten-progress-interval=1s")
-	// One management op at a time (a pool-level librbd setting): a
-	// flatten of 64 objects then takes seconds, not a fraction of one,
-	// and the chain meets the hard depth before the background flattens
-	// catch up.
 	run(t, "rbd", "config", "pool", "set", "rbd", "rbd_concurrent_management_ops", "1")
 	t.Cleanup(func() { run(t, "rbd", "config", "pool", "remove", "rbd", "rbd_concurrent_management_ops") })
-	src, data := staticImage(t, "chain-0", 256<<20)
+	t.Run("hard", func(t *testing.T) { restoreChain(t, 2) })
+	t.Run("soft", func(t *testing.T) { restoreChain(t, 1) })
+}
+
+func restoreChain(t *testing.T, soft int) {
+	c := newController(t, fmt.Sprintf("--rbdsoftmaxclonedepth=%d", soft), "--rbdhardmaxclonedepth=2",
+		"--sweep-interval=5s", "--flatten-progress-interval=1s")
+	pfx := fmt.Sprintf("chain%d", soft)
+	src, data := staticImage(t, pfx+"-0", 256<<20)
 	vols := []string{src}
 	var snaps []string
 	waited, notReady := 0, 0
 	var last time.Time
-	for i := 1; i <= 6; i++ {
-		// Each snapshot is restored at once, ready or not, so the chain
-		// outruns the background flattens and meets the hard depth.
-		s := c.snapshotReady(fmt.Sprintf("chain-snap-%d", i), vols[i-1], false)
+	for i := 1; i <= 5; i++ {
+		// Each snapshot is restored at once, ready or not, as a user
+		// racing the flattens would.
+		s := c.snapshotReady(fmt.Sprintf("%s-snap-%d", pfx, i), vols[i-1], false)
 		if !s.ReadyToUse {
 			notReady++
 		}
 		snaps = append(snaps, s.SnapshotId)
-		v, aborted := c.restore(fmt.Sprintf("chain-vol-%d", i), snapSrc(s.SnapshotId), 0, blockRWO)
+		v, aborted := c.restore(fmt.Sprintf("%s-vol-%d", pfx, i), snapSrc(s.SnapshotId), 0, blockRWO)
 		waited += aborted
 		last = time.Now()
 		if d := depth(t, "rbd/"+imageOf(v.VolumeId)); d > 2 {
@@ -227,9 +251,9 @@ func TestRestoreChainDepth(t *testing.T) {
 		}
 		vols = append(vols, v.VolumeId)
 	}
-	t.Logf("CreateVolume answered Aborted %d times in the chain of 6 (the provisioner's retries); %d snapshots were not ready when taken",
-		waited, notReady)
-	if waited == 0 || notReady == 0 {
+	t.Logf("soft depth %d: CreateVolume answered Aborted %d times in a chain of 5 (the provisioner's retries); %d snapshots were not ready when taken",
+		soft, waited, notReady)
+	if soft == 2 && (waited == 0 || notReady == 0) {
 		t.Fatal("the chain never met the hard depth: nothing was tested")
 	}
 	for {
@@ -237,7 +261,7 @@ func TestRestoreChainDepth(t *testing.T) {
 		for _, v := range vols[1:] {
 			deepest = max(deepest, depth(t, "rbd/"+imageOf(v)))
 		}
-		if deepest <= 1 {
+		if deepest <= soft {
 			break
 		}
 		if time.Since(last) > 5*time.Minute {
@@ -245,10 +269,28 @@ func TestRestoreChainDepth(t *testing.T) {
 		}
 		time.Sleep(time.Second)
 	}
-	t.Logf("background flattens brought the chain to the soft depth %s after the last CreateVolume",
-		time.Since(last).Round(time.Millisecond))
-	if got := export(t, imageOf(vols[len(vols)-1])); !bytes.Equal(got, data) {
-		t.Fatal("the last volume of the chain does not hold the first volume's data")
+	t.Logf("soft depth %d: every volume at or below it %s after the last CreateVolume", soft, time.Since(last).Round(time.Millisecond))
+	var took []string
+	for _, l := range strings.Split(readFile(c.p.log), "\n") {
+		if i := strings.Index(l, "took="); strings.Contains(l, `msg="flatten done"`) && i > 0 {
+			took = append(took, strings.Fields(l[i+5:])[0])
+		}
+	}
+	t.Logf("soft depth %d: the controller's flattens of 256 MiB volumes (one librbd op at a time) took %s",
+		soft, strings.Join(took, ", "))
+	for i, v := range vols[1:] {
+		if got := export(t, imageOf(v)); !bytes.Equal(got, data) {
+			n := 0
+			for o := 0; o < len(data); o += 4 << 20 {
+				if !bytes.Equal(got[o:o+4<<20], data[o:o+4<<20]) {
+					n++
+				}
+			}
+			t.Errorf("volume %d of the chain does not hold the first volume's data: %d of %d objects differ", i+1, n, len(data)>>22)
+		}
+	}
+	if t.Failed() {
+		t.FailNow()
 	}
 	// Delete in creation order: volumes first (kept while their
 	// snapshots live), then the snapshots, then the static image (not
@@ -259,8 +301,9 @@ func TestRestoreChainDepth(t *testing.T) {
 	for _, s := range snaps {
 		c.deleteSnapshot(s)
 	}
-	run(t, "rbd", "rm", "--no-progress", "rbd/chain-0")
-	t.Logf("pool and trash empty %s after the last delete", poolEmpty(t, 3*time.Minute).Round(time.Millisecond))
+	run(t, "rbd", "rm", "--no-progress", "rbd/"+pfx+"-0")
+	t.Logf("pool and trash empty %s after the last delete", allGone(t, imagesOf(vols...), 3*time.Minute).Round(time.Millisecond))
+	noKeyIn(t, c.p)
 }
 
 // A controller killed in the middle of a background flatten: the
@@ -315,7 +358,7 @@ func TestControllerKilledMidFlatten(t *testing.T) {
 	c.deleteSnapshot(s2.SnapshotId)
 	c.deleteSnapshot(s1.SnapshotId)
 	run(t, "rbd", "rm", "--no-progress", "rbd/midflat-0")
-	poolEmpty(t, 3*time.Minute)
+	allGone(t, imagesOf(src, v1.VolumeId, v2.VolumeId), 3*time.Minute)
 	noKeyIn(t, c.p)
 }
 
@@ -339,4 +382,56 @@ func noKeyIn(t *testing.T, p *plugin) {
 			t.Fatalf("the Ceph key is in %s", f)
 		}
 	}
+}
+
+// Snapshot, restore, delete the snapshot, over and over, with
+// --minsnapshotsonimage=1 --maxsnapshotsonimage=2 (ceph-csi #4069 got
+// stuck past 450 this way): the trashed snapshots the restores hold are
+// freed by flattening the restores, CreateSnapshot waits with
+// ResourceExhausted meanwhile, and the loop never gets stuck.
+func TestManySnapshotsOfOneSource(t *testing.T) {
+	needCluster(t)
+	c := newController(t, "--minsnapshotsonimage=1", "--maxsnapshotsonimage=2", "--sweep-interval=5s")
+	// Flattens one object at a time, so a round outpaces them.
+	run(t, "rbd", "config", "pool", "set", "rbd", "rbd_concurrent_management_ops", "1")
+	t.Cleanup(func() { run(t, "rbd", "config", "pool", "remove", "rbd", "rbd_concurrent_management_ops") })
+	src, data := staticImage(t, "many-0", 128<<20)
+	var vols []string
+	refused := 0
+	for i := range 8 {
+		var s *csi.Snapshot
+		for try := 0; s == nil; try++ {
+			resp, err := c.cc.CreateSnapshot(c.ctx, &csi.CreateSnapshotRequest{Name: fmt.Sprintf("many-s%d", i),
+				SourceVolumeId: src, Secrets: secrets(), Parameters: map[string]string{"clusterID": "dev"}})
+			switch {
+			case err == nil:
+				s = resp.Snapshot
+			case status.Code(err) == codes.ResourceExhausted && try < 120:
+				refused++
+				time.Sleep(time.Second)
+			default:
+				t.Fatalf("snapshot %d: %v", i, err)
+			}
+		}
+		v, _ := c.restore(fmt.Sprintf("many-v%d", i), snapSrc(s.SnapshotId), 0, blockRWO)
+		vols = append(vols, v.VolumeId)
+		c.deleteSnapshot(s.SnapshotId)
+	}
+	snaps := strings.Count(run(t, "rbd", "snap", "ls", "--all", "rbd/many-0"), "trash")
+	if snaps > 2 {
+		t.Fatalf("%d snapshots on the source, past --maxsnapshotsonimage", snaps)
+	}
+	t.Logf("8 rounds of snapshot, restore, delete: CreateSnapshot waited %d times; %d trashed snapshots left on the source",
+		refused, snaps)
+	// Whether the limit is met depends on how fast the flattens of the
+	// restores go (the unit test holds them back to be sure); the loop
+	// must not get stuck either way, nor pass the limit.
+	if got := export(t, imageOf(vols[len(vols)-1])); !bytes.Equal(got, data) {
+		t.Fatal("the last restore does not hold the source's data")
+	}
+	for _, v := range vols {
+		c.deleteVolume(v)
+	}
+	run(t, "rbd", "rm", "--no-progress", "rbd/many-0")
+	allGone(t, imagesOf(append(vols, src)...), 3*time.Minute)
 }
