@@ -303,7 +303,9 @@ func TestRestoreChainDepth(t *testing.T) {
 }
 
 func restoreChain(t *testing.T, features string, soft int, gated bool) {
-	r := newRigWith(t, func(c *Config) { c.Limits = Limits{SoftDepth: soft, HardDepth: 2, MinSnapshots: 100, MaxSnapshots: 200} })
+	r := newRigWith(t, func(c *Config) {
+		c.Limits = Limits{SoftDepth: soft, HardDepth: 2, MinSnapshots: 100, MaxSnapshots: 200}
+	})
 	var gate chan struct{}
 	if gated {
 		gate = make(chan struct{})
