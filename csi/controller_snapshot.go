@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"sort"
 	"strings"
 
@@ -32,7 +34,7 @@ type snapParams struct {
 
 func parseSnapParams(in map[string]string) (snapParams, error) {
 	p := snapParams{Prefix: defaultSnapPrefix}
-	for _, k := range sortedKeys(in) {
+	for _, k := range slices.Sorted(maps.Keys(in)) {
 		v := in[k]
 		switch {
 		case k == "clusterID":

@@ -4,6 +4,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"sort"
 	"syscall"
 
@@ -51,7 +53,7 @@ func (c *Clusters) CreateImage(o ceph.Options, spec ceph.ImageSpec, n ceph.NewIm
 	}
 	img, err := rbd.OpenImage(ioctx, spec.Image, rbd.NoSnapshot)
 	if err == nil {
-		for _, k := range sortedKeys(n.Meta) {
+		for _, k := range slices.Sorted(maps.Keys(n.Meta)) {
 			if err = img.SetMetadata(k, n.Meta[k]); err != nil {
 				break
 			}
@@ -276,12 +278,3 @@ type matching struct{ err, sentinel error }
 func (m matching) Error() string        { return m.err.Error() }
 func (m matching) Unwrap() error        { return m.err }
 func (m matching) Is(target error) bool { return target == m.sentinel }
-
-func sortedKeys(m map[string]string) []string {
-	ks := make([]string, 0, len(m))
-	for k := range m {
-		ks = append(ks, k)
-	}
-	sort.Strings(ks)
-	return ks
-}

@@ -3,6 +3,8 @@ package rbdio
 import (
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"syscall"
 	"time"
 
@@ -69,7 +71,7 @@ func finishClone(cio *rados.IOContext, child ceph.ImageSpec, n ceph.NewImage) er
 		return imageError(child, "open", err)
 	}
 	defer img.Close()
-	for _, k := range sortedKeys(n.Meta) {
+	for _, k := range slices.Sorted(maps.Keys(n.Meta)) {
 		if err := img.SetMetadata(k, n.Meta[k]); err != nil {
 			return imageError(child, "set metadata of", err)
 		}
@@ -268,7 +270,7 @@ func (c *Clusters) UpdateMetadata(o ceph.Options, spec ceph.ImageSpec, set map[s
 		return imageError(spec, "open", err)
 	}
 	defer img.Close()
-	for _, k := range sortedKeys(set) {
+	for _, k := range slices.Sorted(maps.Keys(set)) {
 		if err := img.SetMetadata(k, set[k]); err != nil {
 			return imageError(spec, "set metadata of", err)
 		}

@@ -48,29 +48,46 @@ func TestEncryptionLUKS(t *testing.T) {
 
 func TestQuiesceHookAroundSnapshot(t *testing.T) {
 	spec := newImage(t, "16M")
-	var mu sync.Mutex
-	var calls []bool
-	fail := false
-	hook := func(q bool) error {
-		mu.Lock()
-		defer mu.Unlock()
-		calls = append(calls, q)
-		if q && fail {
-			return errors.New("freeze failed")
-		}
-		return nil
-	}
-	open(t, NewClusters(), spec, OpenOptions{OnQuiesce: hook})
+	h := &quiesceRecorder{}
+	open(t, NewClusters(), spec, OpenOptions{OnQuiesce: h.hook})
 	if out, err := cluster.Rbd("snap", "create", spec.String()+"@s1"); err != nil {
 		t.Fatalf("snap create: %v %s", err, out)
 	}
-	mu.Lock()
-	if len(calls) != 2 || !calls[0] || calls[1] {
+	if calls := h.calls(); len(calls) != 2 || !calls[0] || calls[1] {
 		t.Fatalf("hook calls %v, want [true false]", calls)
 	}
-	fail = true
-	mu.Unlock()
+	h.failNext()
 	if _, err := cluster.Rbd("snap", "create", spec.String()+"@s2"); err == nil {
 		t.Fatal("snapshot taken although the quiesce hook failed")
 	}
+}
+
+// quiesceRecorder is a quiesce hook that records its calls and can be
+// made to fail a freeze.
+type quiesceRecorder struct {
+	mu   sync.Mutex
+	seen []bool
+	fail bool
+}
+
+func (h *quiesceRecorder) hook(q bool) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.seen = append(h.seen, q)
+	if q && h.fail {
+		return errors.New("freeze failed")
+	}
+	return nil
+}
+
+func (h *quiesceRecorder) calls() []bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return append([]bool(nil), h.seen...)
+}
+
+func (h *quiesceRecorder) failNext() {
+	h.mu.Lock()
+	h.fail = true
+	h.mu.Unlock()
 }

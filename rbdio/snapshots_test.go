@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -144,30 +143,17 @@ func TestSnapshotOfMappedImage(t *testing.T) {
 	needCluster(t)
 	cl := NewClusters()
 	src := createImage(t, cl, "mapped", 8<<20)
-	var mu sync.Mutex
-	var calls []bool
-	fail := false
-	hook := func(q bool) error {
-		mu.Lock()
-		defer mu.Unlock()
-		calls = append(calls, q)
-		if q && fail {
-			return errors.New("freeze failed")
-		}
-		return nil
-	}
+	h := &quiesceRecorder{}
 	owner := NewClusters() // another client, as the node daemon is
-	open(t, owner, src, OpenOptions{Exclusive: true, OnQuiesce: hook})
+	open(t, owner, src, OpenOptions{Exclusive: true, OnQuiesce: h.hook})
 	s, err := cl.CreateSnapshot(opts(), src, "q1", ceph.QuiesceRequired)
 	if err != nil {
 		t.Fatal(err)
 	}
-	mu.Lock()
-	if len(calls) != 2 || !calls[0] || calls[1] {
+	if calls := h.calls(); len(calls) != 2 || !calls[0] || calls[1] {
 		t.Fatalf("quiesce hook calls %v, want [true false]", calls)
 	}
-	fail = true
-	mu.Unlock()
+	h.failNext()
 	if _, err := cl.CreateSnapshot(opts(), src, "q2", ceph.QuiesceRequired); err == nil {
 		t.Fatal("snapshot taken although the quiesce hook failed")
 	}
