@@ -137,6 +137,26 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 
 func (d *Driver) createVolume(o ceph.Options, name string, vol volume, p params, accs []access,
 	cr *csi.CapacityRange, content *csi.VolumeContentSource) (*csi.Volume, error) {
+	wantSrc, err := contentID(content)
+	if err != nil {
+		return nil, err
+	}
+	info, err := d.cfg.Images.ImageInfo(o, vol.Spec)
+	switch {
+	case err == nil:
+		// A retry: answered from the image, even if its source has
+		// gone since (a lost reply must not turn into NotFound).
+		size, err := d.existingVolume(o, name, vol, p, accs, cr, content, wantSrc, info)
+		if err != nil {
+			return nil, err
+		}
+		return &csi.Volume{VolumeId: vol.ID(), CapacityBytes: int64(size), VolumeContext: volumeContext(p, vol),
+			ContentSource: content}, nil
+	case errors.Is(err, ceph.ErrPoolNotFound):
+		return nil, status.Errorf(codes.InvalidArgument, "parameter %q: %v", "pool", err)
+	case !errors.Is(err, ceph.ErrImageNotFound):
+		return nil, cephStatus(err, "look up image")
+	}
 	features := p.Features
 	if needsExclusive(accs) && !slices.Contains(features, "exclusive-lock") {
 		features = append(append([]string{}, features...), "exclusive-lock")
@@ -144,7 +164,6 @@ func (d *Driver) createVolume(o ceph.Options, name string, vol volume, p params,
 	var src *volSource
 	var min uint64
 	if content != nil {
-		var err error
 		if src, err = d.resolveSource(o, vol.ClusterID, content, volumeKind(accs)); err != nil {
 			return nil, err
 		}
@@ -154,44 +173,13 @@ func (d *Driver) createVolume(o ceph.Options, name string, vol volume, p params,
 	if err != nil {
 		return nil, err
 	}
-	info, err := d.cfg.Images.ImageInfo(o, vol.Spec)
-	switch {
-	case err == nil:
-		if n := info.Meta[metaName]; n != "" && n != name {
-			return nil, status.Errorf(codes.AlreadyExists, "image %s belongs to volume %q", vol.Spec, n)
-		}
-		if want := src.id(); info.Meta[metaSource] != want {
-			return nil, status.Errorf(codes.AlreadyExists, "volume %q exists, made from %q, not %q",
-				name, info.Meta[metaSource], want)
-		}
-		lim := cr.GetLimitBytes()
-		if info.Size < uint64(cr.GetRequiredBytes()) || (lim > 0 && info.Size > uint64(lim)) {
-			return nil, status.Errorf(codes.AlreadyExists,
-				"volume %q exists with %d bytes, outside the requested range", name, info.Size)
-		}
-		size = info.Size
-		if src != nil {
-			if err := d.cloneDepthOK(o, vol, info); err != nil {
-				return nil, err
-			}
-		}
-		if src != nil && src.volume != nil {
-			d.dropCloneSnapshot(o, src, name)
-		}
-		d.log.Info("volume exists", "name", name, "image", vol.Spec.String())
-	case errors.Is(err, ceph.ErrPoolNotFound):
-		return nil, status.Errorf(codes.InvalidArgument, "parameter %q: %v", "pool", err)
-	case errors.Is(err, ceph.ErrImageNotFound) && src != nil:
+	if src != nil {
 		if err := d.cloneVolume(o, name, vol, p, features, size, src, volumeKind(accs)); err != nil {
 			return nil, err
 		}
-	case errors.Is(err, ceph.ErrImageNotFound):
-		meta := map[string]string{metaName: name}
-		if k := volumeKind(accs); k != "" {
-			meta[metaKind] = k
-		}
+	} else {
 		err = d.cfg.Images.CreateImage(o, vol.Spec, ceph.NewImage{Size: size, Features: features,
-			DataPool: p.DataPool, Meta: meta})
+			DataPool: p.DataPool, Meta: volumeMeta(name, "", volumeKind(accs))})
 		if errors.Is(err, ceph.ErrPoolNotFound) || errors.Is(err, ceph.ErrImageNotFound) {
 			// A missing data pool reads as ENOENT from librbd.
 			return nil, status.Errorf(codes.InvalidArgument, "create %s (pool or dataPool missing?): %v", vol.Spec, err)
@@ -200,11 +188,123 @@ func (d *Driver) createVolume(o ceph.Options, name string, vol volume, p params,
 			return nil, cephStatus(err, "create image")
 		}
 		d.log.Info("created volume", "name", name, "image", vol.Spec.String(), "size", size)
-	default:
-		return nil, cephStatus(err, "look up image")
 	}
 	return &csi.Volume{VolumeId: vol.ID(), CapacityBytes: int64(size), VolumeContext: volumeContext(p, vol),
 		ContentSource: content}, nil
+}
+
+// volumeMeta is the metadata a new volume's image gets.
+func volumeMeta(name, source, kind string) map[string]string {
+	m := map[string]string{metaName: name}
+	if source != "" {
+		m[metaSource] = source
+	}
+	if kind != "" {
+		m[metaKind] = kind
+	}
+	return m
+}
+
+// contentID is a content source's ID as metaSource records it: "" for
+// none, NotFound for an ID that is not ours.
+func contentID(c *csi.VolumeContentSource) (string, error) {
+	switch {
+	case c == nil:
+		return "", nil
+	case c.GetSnapshot() != nil:
+		sid, err := parseSnapshotID(c.GetSnapshot().GetSnapshotId())
+		if err != nil {
+			return "", status.Error(codes.NotFound, err.Error())
+		}
+		return sid.String(), nil
+	case c.GetVolume() != nil:
+		v, err := parseVolumeID(c.GetVolume().GetVolumeId())
+		if err != nil {
+			return "", status.Error(codes.NotFound, err.Error())
+		}
+		return v.ID(), nil
+	}
+	return "", status.Error(codes.InvalidArgument, "volume content source is neither a snapshot nor a volume")
+}
+
+// existingVolume answers a CreateVolume whose image exists: the same
+// volume (a retry) or a conflict. An image the first call made but did
+// not finish (a controller killed between the clone or create and its
+// metadata) is finished, if it is what this call would have made.
+func (d *Driver) existingVolume(o ceph.Options, name string, vol volume, p params, accs []access,
+	cr *csi.CapacityRange, content *csi.VolumeContentSource, wantSrc string, info ceph.ImageInfo) (uint64, error) {
+	if n := info.Meta[metaName]; n != "" && n != name {
+		return 0, status.Errorf(codes.AlreadyExists, "image %s belongs to volume %q", vol.Spec, n)
+	}
+	if info.Meta[metaName] == "" {
+		var err error
+		if info, err = d.adopt(o, name, vol, accs, cr, content, wantSrc, info); err != nil {
+			return 0, err
+		}
+	}
+	if got := info.Meta[metaSource]; got != wantSrc {
+		return 0, status.Errorf(codes.AlreadyExists, "volume %q exists, made from %q, not %q", name, got, wantSrc)
+	}
+	lim := cr.GetLimitBytes()
+	if info.Size < uint64(cr.GetRequiredBytes()) || (lim > 0 && info.Size > uint64(lim)) {
+		return 0, status.Errorf(codes.AlreadyExists,
+			"volume %q exists with %d bytes, outside the requested range", name, info.Size)
+	}
+	if wantSrc != "" {
+		if err := d.cloneDepthOK(o, vol, info); err != nil {
+			return 0, err
+		}
+		if v := content.GetVolume(); v != nil {
+			d.dropCloneSnapshot(o, v.GetVolumeId(), name)
+		}
+	}
+	d.log.Info("volume exists", "name", name, "image", vol.Spec.String())
+	return info.Size, nil
+}
+
+// adopt finishes an image at a volume's name that has no volume name in
+// its metadata: made by this driver's earlier call for it, which died
+// before the metadata (and, for a clone, before growing it). It is ours
+// only if it is what this call would make: a plain image for no source,
+// a clone of the source's image for a source. Anything else is someone
+// else's image: AlreadyExists.
+func (d *Driver) adopt(o ceph.Options, name string, vol volume, accs []access, cr *csi.CapacityRange,
+	content *csi.VolumeContentSource, wantSrc string, info ceph.ImageInfo) (ceph.ImageInfo, error) {
+	foreign := status.Errorf(codes.AlreadyExists, "image %s exists and is not volume %q's", vol.Spec, name)
+	if (wantSrc == "") != (info.Parent == nil) {
+		return info, foreign
+	}
+	if wantSrc != "" {
+		src, err := d.resolveSource(o, vol.ClusterID, content, volumeKind(accs))
+		if err != nil {
+			return info, err
+		}
+		if info.Parent.ImageID != src.ref.ID || info.Parent.Pool != src.ref.Pool {
+			return info, foreign
+		}
+		size, err := volumeSize(cr, src.size)
+		if err != nil {
+			return info, err
+		}
+		if info.Size < size {
+			if err := d.cfg.Images.ResizeImage(o, vol.Spec, size); err != nil {
+				return info, cephStatus(err, "grow "+describe(vol))
+			}
+			info.Size = size
+		}
+	}
+	meta := volumeMeta(name, wantSrc, volumeKind(accs))
+	if err := d.cfg.Images.UpdateMetadata(o, vol.Spec, meta, nil); err != nil {
+		return info, cephStatus(err, "finish "+describe(vol))
+	}
+	if info.Meta == nil {
+		info.Meta = map[string]string{}
+	}
+	for k, v := range meta {
+		info.Meta[k] = v
+	}
+	d.log.Info("finished a volume an earlier call left half made", "name", name, "image", vol.Spec.String())
+	return info, nil
 }
 
 // volumeContext is what NodeStage needs of the StorageClass; it gets no
@@ -289,6 +389,8 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 		if err := d.keepGone(o, j, vol, info); err != nil {
 			return nil, err
 		}
+		// Snapshots only a failed call left do not keep it.
+		d.collectGone(o, vol.ClusterID, ceph.ImageRef{Pool: vol.Spec.Pool, Namespace: vol.Spec.Namespace, ID: info.ID})
 	case errors.Is(err, ceph.ErrImageInUse):
 		return nil, status.Errorf(codes.FailedPrecondition, "volume %s is still mapped: %v", describe(vol), err)
 	default:
@@ -372,6 +474,16 @@ func (d *Driver) clusterAccess(clusterID string, secrets map[string]string, writ
 	return cl.options(creds, controllerOSDTimeout), nil
 }
 
+// writeCreds says whether a call's credentials may write: its own
+// secrets, or the controller's Secret.
+func (d *Driver) writeCreds(secrets map[string]string) bool {
+	if _, err := credentialsFrom(secrets); err == nil {
+		return true
+	}
+	_, ok := d.secretCreds()
+	return ok
+}
+
 // detach runs fn, the rest of a call, so that it may outlast the call:
 // librbd's calls cannot be interrupted. If ctx ends first the call
 // answers its error and fn goes on; release runs when fn ends, so a
@@ -384,12 +496,14 @@ func detach[T any](ctx context.Context, release func(), fn func() (T, error)) (T
 	}
 	ch := make(chan result, 1)
 	go func() {
-		defer release()
 		var r result
 		defer func() {
 			if p := recover(); p != nil {
 				r.err = status.Errorf(codes.Internal, "internal error: %v", p)
 			}
+			// Released before the answer: a caller that gets it may call
+			// again at once.
+			release()
 			ch <- r
 		}()
 		r.v, r.err = fn()

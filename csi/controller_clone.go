@@ -162,26 +162,25 @@ func (d *Driver) cloneVolume(o ceph.Options, name string, vol volume, p params, 
 		parent = src.volume.Spec
 		parent.Snap = s.Name
 	}
-	meta := map[string]string{metaName: name, metaSource: src.id()}
 	if kind == "" {
 		kind = src.kind
-	}
-	if kind != "" {
-		meta[metaKind] = kind
 	}
 	if !slices.Contains(features, "layering") {
 		features = append(append([]string{}, features...), "layering")
 	}
 	err = d.cfg.Images.CloneImage(o, parent, vol.Spec, ceph.NewImage{Size: size, Features: features,
-		DataPool: p.DataPool, Meta: meta})
-	if errors.Is(err, ceph.ErrPoolNotFound) {
-		return status.Errorf(codes.InvalidArgument, "clone %s (pool or dataPool missing?): %v", vol.Spec, err)
-	}
-	if err != nil {
-		return cephStatus(err, "clone "+src.id())
-	}
+		DataPool: p.DataPool, Meta: volumeMeta(name, src.id(), kind)})
 	if src.volume != nil {
-		d.dropCloneSnapshot(o, src, name)
+		// Made or not, the clone needs its temporary snapshot no more:
+		// a snapshot left behind would keep a deleted source's image.
+		d.dropCloneSnapshot(o, src.volume.ID(), name)
+	}
+	switch {
+	case errors.Is(err, ceph.ErrPoolNotFound), errors.Is(err, ceph.ErrImageNotFound) && p.DataPool != "":
+		// librbd answers ENOENT for a missing data pool too.
+		return status.Errorf(codes.InvalidArgument, "clone %s (pool or dataPool missing?): %v", vol.Spec, err)
+	case err != nil:
+		return cephStatus(err, "clone "+src.id())
 	}
 	d.log.Info("created volume", "name", name, "image", vol.Spec.String(), "size", size, "from", src.id(),
 		"depth", len(chain)+1)
@@ -243,21 +242,31 @@ func (d *Driver) cloneDepthOK(o ceph.Options, vol volume, info ceph.ImageInfo) e
 	return tooDeep(vol, len(chain), d.cfg.Limits.HardDepth, job)
 }
 
-// dropCloneSnapshot removes the temporary snapshot a clone was made
-// from (it moves to the trash namespace while the clone needs it). A
-// failure is only logged: the retried CreateVolume, or nothing, since a
-// leftover snapshot costs only its space.
-func (d *Driver) dropCloneSnapshot(o ceph.Options, src *volSource, name string) {
-	snaps, err := d.cfg.Images.ListSnapshots(o, src.volume.Spec)
+// dropCloneSnapshot removes the temporary snapshot a clone of volume
+// source was made from, if it is there (it moves to the trash namespace
+// while the clone needs it). Failures are only logged: a retried
+// CreateVolume, or the garbage collection of the source once it is
+// deleted, removes it.
+func (d *Driver) dropCloneSnapshot(o ceph.Options, source, name string) {
+	v, err := parseVolumeID(source)
 	if err != nil {
-		d.log.Warn("list the clone source's snapshots", "source", src.volume.ID(), "err", err)
+		return
+	}
+	info, err := d.cfg.Images.ImageInfo(o, v.Spec)
+	if err != nil {
+		return // the source is gone: so is the snapshot
+	}
+	snaps, err := d.cfg.Images.ListSnapshots(o, v.Spec)
+	if err != nil {
+		d.log.Warn("list the clone source's snapshots", "source", source, "err", err)
 		return
 	}
 	tmp := hashName(cloneSnapPrefix, name)
+	ref := ceph.ImageRef{Pool: v.Spec.Pool, Namespace: v.Spec.Namespace, ID: info.ID}
 	for _, s := range snaps {
 		if s.Name == tmp && !s.Trash {
-			if err := d.cfg.Images.RemoveSnapshot(o, src.ref, s.ID); err != nil && !errors.Is(err, ceph.ErrSnapshotNotFound) {
-				d.log.Warn("remove the clone's temporary snapshot", "source", src.volume.ID(), "snapshot", tmp, "err", err)
+			if err := d.cfg.Images.RemoveSnapshot(o, ref, s.ID); err != nil && !errors.Is(err, ceph.ErrSnapshotNotFound) {
+				d.log.Warn("remove the clone's temporary snapshot", "source", source, "snapshot", tmp, "err", err)
 			}
 		}
 	}

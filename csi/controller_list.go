@@ -4,6 +4,7 @@ import (
 	"context"
 	"sort"
 	"strconv"
+	"strings"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
@@ -71,6 +72,9 @@ func (d *Driver) allVolumes() ([]*csi.Volume, error) {
 				continue // not an RBD pool (or not ours to read)
 			}
 			for _, info := range infos {
+				if strings.HasPrefix(info.Spec.Image, gonePrefix) {
+					continue // a deleted volume's image, kept for its snapshots
+				}
 				vols = append(vols, &csi.Volume{VolumeId: volume{ClusterID: cl.ClusterID, Spec: info.Spec}.ID(),
 					CapacityBytes: int64(info.Size)})
 			}

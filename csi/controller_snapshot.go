@@ -94,6 +94,14 @@ func (d *Driver) createSnapshot(o ceph.Options, src volume, name string, p snapP
 	if found && rec.Source != src.ID() {
 		return nil, status.Errorf(codes.AlreadyExists, "snapshot %q exists, of volume %s", name, rec.Source)
 	}
+	if found && rec.ID != "" {
+		// A retry of a snapshot taken: answered from the snapshot itself,
+		// whatever became of the source volume since.
+		if snap, err := d.takenSnapshot(o, j, name, rec); err == nil || status.Code(err) != codes.NotFound {
+			return snap, err
+		}
+		// Removed behind our back: take it again.
+	}
 	info, err := d.cfg.Images.ImageInfo(o, src.Spec)
 	if err != nil {
 		if found && rec.ID == "" && errors.Is(err, ceph.ErrImageNotFound) {
@@ -138,12 +146,45 @@ func (d *Driver) createSnapshot(o ceph.Options, src volume, name string, p snapP
 	if err := j.update(map[string]any{snapKey(name): rec, snapIDKey(id): name}); err != nil {
 		return nil, cephStatus(err, "record snapshot")
 	}
-	ready, err := d.snapshotReady(o, id, s.ImageName)
+	ready, err := d.snapshotReady(o, id, s.ImageName, true)
 	if err != nil {
 		return nil, err
 	}
+	if rec.NotReady != !ready {
+		rec.NotReady = !ready
+		if err := j.update(map[string]any{snapKey(name): rec}); err != nil {
+			return nil, cephStatus(err, "record snapshot")
+		}
+	}
 	d.log.Info("snapshot taken", "name", name, "snapshot", id.String(), "image", src.Spec.String(), "rbd_snap", rec.Snap,
 		"ready", ready)
+	return rec.csi(ready), nil
+}
+
+// takenSnapshot answers for a journalled snapshot that exists, and
+// journals its readiness if that changed.
+func (d *Driver) takenSnapshot(o ceph.Options, j journal, name string, rec snapRecord) (*csi.Snapshot, error) {
+	sid, err := parseSnapshotID(rec.ID)
+	if err != nil {
+		return nil, status.Errorf(codes.Internal, "journalled snapshot ID: %v", err)
+	}
+	s, err := d.cfg.Images.GetSnapshot(o, sid.Image, sid.SnapID)
+	switch {
+	case errors.Is(err, ceph.ErrSnapshotNotFound), errors.Is(err, ceph.ErrImageNotFound), err == nil && s.Trash:
+		return nil, status.Errorf(codes.NotFound, "snapshot %s is gone", sid)
+	case err != nil:
+		return nil, cephStatus(err, "look up snapshot "+sid.String())
+	}
+	ready, err := d.snapshotReady(o, sid, s.ImageName, true)
+	if err != nil {
+		return nil, err
+	}
+	if rec.NotReady != !ready {
+		rec.NotReady = !ready
+		if err := j.update(map[string]any{snapKey(name): rec}); err != nil {
+			return nil, cephStatus(err, "record snapshot")
+		}
+	}
 	return rec.csi(ready), nil
 }
 
@@ -177,7 +218,7 @@ func (d *Driver) snapshotRoom(o ceph.Options, src volume, info ceph.ImageInfo, s
 // snapshotReady says whether a volume can be restored from the
 // snapshot now: its parent chain leaves room for one more link. If not,
 // it starts flattening the snapshot's image, after which it can.
-func (d *Driver) snapshotReady(o ceph.Options, id snapshotID, imageName string) (bool, error) {
+func (d *Driver) snapshotReady(o ceph.Options, id snapshotID, imageName string, mayFlatten bool) (bool, error) {
 	chain, err := d.cfg.Images.ParentChain(o, id.Image, id.SnapID)
 	if err != nil {
 		return false, cephStatus(err, "parent chain of snapshot "+id.String())
@@ -191,6 +232,9 @@ func (d *Driver) snapshotReady(o ceph.Options, id snapshotID, imageName string) 
 	// out, and the snapshot is ready as it is.
 	if d.cfg.Limits.cloneStep(len(chain), info.HasFeature("deep-flatten")) != flattenParentFirst {
 		return true, nil
+	}
+	if !mayFlatten {
+		return false, nil // read-only credentials: the next CreateSnapshot retry starts it
 	}
 	j := d.journal(o, id.Image.Pool, id.Image.Namespace)
 	if _, err := d.flat.start(id.ClusterID, o, j, id.Image, imageName,
@@ -229,6 +273,11 @@ func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequ
 		return &csi.DeleteSnapshotResponse{}, nil
 	}
 	o, err := d.clusterAccess(sid.ClusterID, req.GetSecrets(), true)
+	if status.Code(err) == codes.NotFound {
+		// Not "success": the snapshot may well exist on a cluster
+		// missing from the config, and would be leaked forever.
+		return nil, status.Error(codes.InvalidArgument, status.Convert(err).Message())
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -242,7 +291,13 @@ func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequ
 	if err != nil {
 		return nil, cephStatus(err, "read the snapshot journal")
 	}
-	err = d.cfg.Images.RemoveSnapshot(o, sid.Image, sid.SnapID)
+	// Already in the trash namespace (an earlier call removed it while
+	// restores need it): deleted as far as CSI goes; librbd would answer
+	// EBUSY to another remove.
+	s, err := d.cfg.Images.GetSnapshot(o, sid.Image, sid.SnapID)
+	if err == nil && !s.Trash {
+		err = d.cfg.Images.RemoveSnapshot(o, sid.Image, sid.SnapID)
+	}
 	switch {
 	case err == nil:
 		d.log.Info("deleted snapshot", "snapshot", sid.String(), "name", name)
@@ -285,9 +340,6 @@ func (d *Driver) GetSnapshot(ctx context.Context, req *csi.GetSnapshotRequest) (
 func (d *Driver) snapshotByID(sid snapshotID, secrets map[string]string) (*csi.Snapshot, error) {
 	o, err := d.clusterAccess(sid.ClusterID, secrets, false)
 	if err != nil {
-		if status.Code(err) == codes.InvalidArgument && sid.ClusterID != "" {
-			return nil, err
-		}
 		return nil, err
 	}
 	s, err := d.cfg.Images.GetSnapshot(o, sid.Image, sid.SnapID)
@@ -313,9 +365,18 @@ func (d *Driver) snapshotByID(sid snapshotID, secrets map[string]string) (*csi.S
 	if !ok || rec.ID != sid.String() {
 		return nil, status.Errorf(codes.NotFound, "snapshot %s is not a VolumeSnapshot of this driver", sid)
 	}
-	ready, err := d.snapshotReady(o, sid, s.ImageName)
+	// Credentials remembered from another call serve reads only: they
+	// may not start a flatten, nor rewrite the journal.
+	write := d.writeCreds(secrets)
+	ready, err := d.snapshotReady(o, sid, s.ImageName, write)
 	if err != nil {
 		return nil, err
+	}
+	if write && rec.NotReady != !ready {
+		rec.NotReady = !ready
+		if err := j.update(map[string]any{snapKey(name): rec}); err != nil {
+			d.log.Warn("record a snapshot's readiness", "snapshot", sid.String(), "err", err)
+		}
 	}
 	return rec.csi(ready), nil
 }
@@ -390,7 +451,8 @@ func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsReques
 
 // journaledSnapshots are the snapshots a pool's journal records as
 // taken. Readiness is the one recorded when the snapshot was taken or
-// last looked up by ID.
+// last looked up by ID (GetSnapshot, ListSnapshots by ID or a
+// CreateSnapshot retry, which the snapshotter makes until it is ready).
 func (d *Driver) journaledSnapshots(o ceph.Options, pool, namespace string) ([]*csi.Snapshot, error) {
 	recs, err := list[snapRecord](d.journal(o, pool, namespace), jSnapshot)
 	if err != nil {
@@ -399,7 +461,7 @@ func (d *Driver) journaledSnapshots(o ceph.Options, pool, namespace string) ([]*
 	out := make([]*csi.Snapshot, 0, len(recs))
 	for _, r := range recs {
 		if r.ID != "" {
-			out = append(out, r.csi(true))
+			out = append(out, r.csi(!r.NotReady))
 		}
 	}
 	return out, nil

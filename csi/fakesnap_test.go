@@ -151,8 +151,13 @@ func (f *fakeImages) RemoveSnapshot(o ceph.Options, ref ceph.ImageRef, snapID ui
 	}
 	s := f.snapState()
 	for k, fs := range s.snaps[ref.ID] {
-		if fs.ID != snapID || fs.Trash {
+		if fs.ID != snapID {
 			continue
+		}
+		if fs.Trash {
+			// librbd answers EBUSY to a second remove of a snapshot
+			// its clones still hold.
+			return fmt.Errorf("remove snapshot %d: busy: %w", snapID, ceph.ErrImageInUse)
 		}
 		if len(f.childrenOf(ref, snapID)) > 0 {
 			s.snaps[ref.ID][k].Trash = true

@@ -214,20 +214,30 @@ func (f *flattener) cancel(cluster string, ref ceph.ImageRef) {
 }
 
 // stopAll stops every flatten (the controller is shutting down); each
-// stays in the journal and is resumed by the next controller.
-func (f *flattener) stopAll() {
+// stays in the journal and is resumed by the next controller. It waits
+// at most grace: a flatten the lock owner (a node) runs for us may not
+// hear the stop.
+func (f *flattener) stopAll(grace time.Duration) {
 	f.mu.Lock()
 	jobs := make([]*flattenJob, 0, len(f.jobs))
 	for _, j := range f.jobs {
 		jobs = append(jobs, j)
 	}
 	f.mu.Unlock()
+	deadline := time.After(grace)
 	for _, j := range jobs {
 		select {
 		case <-j.stop:
 		default:
 			close(j.stop)
 		}
-		<-j.done
+	}
+	for _, j := range jobs {
+		select {
+		case <-j.done:
+		case <-deadline:
+			f.log.Warn("flattens still running at shutdown; they stay owed")
+			return
+		}
 	}
 }

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"regexp"
+	"strings"
 	"time"
 
 	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
@@ -27,14 +29,17 @@ func (d *Driver) keepGone(o ceph.Options, j journal, vol volume, info ceph.Image
 	if err := j.update(map[string]any{goneKey(info.ID): rec}); err != nil {
 		return cephStatus(err, "journal the deleted volume "+describe(vol))
 	}
+	// Unmarked before the rename: a retry after a failed rename finds
+	// the image still at its name and renames it; the other way round, a
+	// failed unmarking would leave a kept image that lists as a volume.
+	if err := d.cfg.Images.UpdateMetadata(o, vol.Spec, map[string]string{metaGoneFrom: vol.ID()}, []string{metaName}); err != nil {
+		return cephStatus(err, "mark the deleted volume "+describe(vol))
+	}
 	if err := d.cfg.Images.RenameImage(o, vol.Spec, hidden); err != nil {
 		return cephStatus(err, "rename the deleted volume "+describe(vol))
 	}
 	spec := vol.Spec
 	spec.Image = hidden
-	if err := d.cfg.Images.UpdateMetadata(o, spec, map[string]string{metaGoneFrom: vol.ID()}, []string{metaName}); err != nil {
-		return cephStatus(err, "mark the deleted volume "+describe(vol))
-	}
 	d.log.Info("deleted volume; its image stays for its snapshots or clones", "volume", vol.ID(), "image", spec.String())
 	return nil
 }
@@ -81,7 +86,10 @@ func (d *Driver) collectOne(o ceph.Options, cluster string, ref ceph.ImageRef) (
 	}
 	spec := ceph.ImageSpec{Pool: ref.Pool, Namespace: ref.Namespace, Image: name}
 	snaps, err := d.cfg.Images.ListSnapshots(o, spec)
-	if err != nil || len(snaps) > 0 {
+	if err != nil {
+		return nil, err
+	}
+	if left, err := d.dropOrphans(o, j, ref, snaps); err != nil || left > 0 {
 		return nil, err
 	}
 	info, err := d.cfg.Images.ImageInfo(o, spec)
@@ -107,6 +115,53 @@ func (d *Driver) collectOne(o ceph.Options, cluster string, ref ceph.ImageRef) (
 	p := info.Parent.Ref()
 	return &p, nil
 }
+
+// dropOrphans removes the snapshots of a kept image that no CSI call
+// can reach any more and returns how many are left: a clone's temporary
+// snapshot a failed clone left, and a VolumeSnapshot's RBD snapshot whose
+// ID was never journalled (nor returned: the journal is written before
+// the reply). Snapshots in the trash namespace stay until their clones
+// go; one removed here that clones need moves there. Snapshots not
+// named by this driver (an admin's) are left, and keep the image.
+func (d *Driver) dropOrphans(o ceph.Options, j journal, ref ceph.ImageRef, snaps []ceph.Snapshot) (int, error) {
+	left := 0
+	for _, s := range snaps {
+		orphan := false
+		switch {
+		case s.Trash:
+		case strings.HasPrefix(s.Name, cloneSnapPrefix):
+			orphan = true
+		case hashedName.MatchString(s.Name):
+			_, journalled, err := j.getString(snapIDKey(snapshotID{Image: ref, SnapID: s.ID}))
+			if err != nil {
+				return 0, err
+			}
+			orphan = !journalled
+		}
+		if !orphan {
+			left++
+			continue
+		}
+		err := d.cfg.Images.RemoveSnapshot(o, ref, s.ID)
+		if err != nil && !errors.Is(err, ceph.ErrSnapshotNotFound) {
+			return 0, err
+		}
+		d.log.Info("removed an orphaned snapshot of a deleted volume's image", "id", ref.String(), "snapshot", s.Name)
+		left++ // it may have moved to the trash namespace: look again
+	}
+	if left == 0 {
+		return 0, nil
+	}
+	name, err := d.cfg.Images.ImageName(o, ref)
+	if err != nil {
+		return 0, err
+	}
+	snaps, err = d.cfg.Images.ListSnapshots(o, ceph.ImageSpec{Pool: ref.Pool, Namespace: ref.Namespace, Image: name})
+	return len(snaps), err
+}
+
+// hashedName matches the names hashName gives.
+var hashedName = regexp.MustCompile(`[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$`)
 
 // collectChain collects from the first link of a chain up, after a
 // flatten cut a clone loose from it.

@@ -46,6 +46,8 @@ type snapRecord struct {
 	// Kind is the source volume's access kind (volumeKind), checked
 	// when a volume is restored from the snapshot.
 	Kind string `json:"kind,omitempty"`
+	// NotReady: no restore would fit the hard depth yet, as last seen.
+	NotReady bool `json:"not_ready,omitempty"`
 }
 
 // flattenRecord is an owed flatten.

@@ -78,7 +78,7 @@ func (d *Driver) Serve(ctx context.Context, l net.Listener) error {
 			<-done
 			// Running flattens stop where they are; they stay owed in
 			// the journal, and the next controller resumes them.
-			d.flat.stopAll()
+			d.flat.stopAll(10 * time.Second)
 		}()
 	}
 	err := s.Serve(l)

@@ -153,7 +153,8 @@ var ErrFlattenStopped = errors.New("flatten stopped")
 // report is called every interval with the objects done and the total;
 // closing stop cancels. An image without a parent is already flat.
 //
-// resumed says an earlier flatten of the image may have died mid-way.
+// resumed says an earlier flatten of the image may have died mid-way;
+// an image whose exclusive lock another client holds counts as one.
 // librbd marks an object as existing in the object map before it copies
 // it up; a client killed in between leaves the mark on an object that
 // is not there, a later flatten skips it, and once the parent is cut
@@ -177,6 +178,16 @@ func (c *Clusters) Flatten(o ceph.Options, ref ceph.ImageRef, resumed bool, stop
 		return refError(ref, "open", err)
 	}
 	defer m.close()
+	// Held by another client (a node has the volume mapped), librbd
+	// runs the flatten there; should that client die mid-way, librbd
+	// runs the rest here, on the map it left. Distrust it then too.
+	if !resumed {
+		owners, err := m.lockOwners()
+		if err != nil {
+			return refError(ref, "lock owners of", err)
+		}
+		resumed = owners > 0
+	}
 	if resumed {
 		if err := m.distrustObjectMap(); err != nil {
 			return fmt.Errorf("flatten %s: reset its object map: %w", ref, err)

@@ -8,6 +8,7 @@ package rbdio
 
 /*
 #cgo LDFLAGS: -lrbd
+#include <errno.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <rbd/librbd.h>
@@ -36,6 +37,21 @@ static int nbdgo_flatten(rbd_image_t img, struct nbdgo_progress *p) {
 
 static int nbdgo_rebuild_object_map(rbd_image_t img) {
 	return rbd_rebuild_object_map(img, nbdgo_noprogress, NULL);
+}
+
+// How many clients hold the image's exclusive lock (0 or 1): an
+// image without the feature, or unlocked, has none.
+static int nbdgo_lock_owners(rbd_image_t img) {
+	rbd_lock_mode_t mode;
+	char *owners[4];
+	size_t n = 4;
+	int r = rbd_lock_get_owners(img, &mode, owners, &n);
+	if (r == -ENOENT)
+		return 0;
+	if (r < 0)
+		return r;
+	rbd_lock_get_owners_cleanup(owners, n);
+	return (int)n;
 }
 
 static uint64_t nbdgo_load(uint64_t *v) { return __atomic_load_n(v, __ATOMIC_RELAXED); }
@@ -165,3 +181,12 @@ func (m mImage) updateFeatures(f uint64, enable bool) error {
 
 // rebuildObjectMap is rbd_rebuild_object_map.
 func (m mImage) rebuildObjectMap() error { return errnoOf(C.nbdgo_rebuild_object_map(m.p)) }
+
+// lockOwners is how many clients hold the image's exclusive lock.
+func (m mImage) lockOwners() (int, error) {
+	r := C.nbdgo_lock_owners(m.p)
+	if r < 0 {
+		return 0, errnoOf(r)
+	}
+	return int(r), nil
+}
