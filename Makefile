@@ -43,8 +43,9 @@ e2e: deps build
 
 # The CSI driver on real /dev/nbd in the VM: upstream csi-sanity (whole
 # suite), a volume's life, Retain/static, online expand, restart
-# survival, bad input (csi/conformance), and ceph-csi's call sequence
-# with this binary installed as rbd-nbd (e2e/csi.sh).
+# survival, bad input, snapshots, restores and clones of mounted volumes
+# (csi/conformance), and ceph-csi's call sequence with this binary
+# installed as rbd-nbd (e2e/csi.sh).
 e2e-csi: deps build bin/csi-conformance.test
 	mkdir -p bin/e2e-csi
 	E2E_OUT=$(CURDIR)/bin/e2e-csi scripts/vm/vm.sh --timeout 2700 --share $(CURDIR)/bin/e2e-csi -- e2e/csi.sh
@@ -52,7 +53,8 @@ e2e-csi: deps build bin/csi-conformance.test
 # The driver in a real single-node Kubernetes (v1.36.1, built from the
 # module proxy by e2e/k8s/build-tools.sh and cached outside the checkout)
 # inside the VM, deployed from deploy/kubernetes: provisioning, Retain,
-# raw block, online expansion, node-plugin restart under I/O, bad input.
+# raw block, online expansion, snapshots, restores and clones, node-plugin
+# restart under I/O, bad input.
 e2e-k8s: deps build
 	e2e/k8s/images.sh bin/k8s-images
 	mkdir -p bin/e2e-k8s
