@@ -150,11 +150,8 @@ func (d *Driver) createSnapshot(o ceph.Options, src volume, name string, p snapP
 	if err != nil {
 		return nil, err
 	}
-	if rec.NotReady != !ready {
-		rec.NotReady = !ready
-		if err := j.update(map[string]any{snapKey(name): rec}); err != nil {
-			return nil, cephStatus(err, "record snapshot")
-		}
+	if err := j.markReady(name, &rec, ready); err != nil {
+		return nil, cephStatus(err, "record snapshot")
 	}
 	d.log.Info("snapshot taken", "name", name, "snapshot", id.String(), "image", src.Spec.String(), "rbd_snap", rec.Snap,
 		"ready", ready)
@@ -179,11 +176,8 @@ func (d *Driver) takenSnapshot(o ceph.Options, j journal, name string, rec snapR
 	if err != nil {
 		return nil, err
 	}
-	if rec.NotReady != !ready {
-		rec.NotReady = !ready
-		if err := j.update(map[string]any{snapKey(name): rec}); err != nil {
-			return nil, cephStatus(err, "record snapshot")
-		}
+	if err := j.markReady(name, &rec, ready); err != nil {
+		return nil, cephStatus(err, "record snapshot")
 	}
 	return rec.csi(ready), nil
 }
@@ -372,9 +366,8 @@ func (d *Driver) snapshotByID(sid snapshotID, secrets map[string]string) (*csi.S
 	if err != nil {
 		return nil, err
 	}
-	if write && rec.NotReady != !ready {
-		rec.NotReady = !ready
-		if err := j.update(map[string]any{snapKey(name): rec}); err != nil {
+	if write {
+		if err := j.markReady(name, &rec, ready); err != nil {
 			d.log.Warn("record a snapshot's readiness", "snapshot", sid.String(), "err", err)
 		}
 	}

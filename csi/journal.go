@@ -126,6 +126,16 @@ func (j journal) update(set map[string]any, rm ...string) error {
 	return j.images.UpdateJournal(j.o, j.pool, journalObject, out, rm)
 }
 
+// markReady journals a snapshot's readiness if it changed: bulk
+// ListSnapshots answers from the journal.
+func (j journal) markReady(name string, rec *snapRecord, ready bool) error {
+	if rec.NotReady == !ready {
+		return nil
+	}
+	rec.NotReady = !ready
+	return j.update(map[string]any{snapKey(name): *rec})
+}
+
 // list returns the entries under prefix, keys without the prefix,
 // values decoded with decode.
 func list[T any](j journal, prefix string) (map[string]T, error) {
