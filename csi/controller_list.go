@@ -36,10 +36,7 @@ func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (
 	if start > len(vols) {
 		return nil, status.Errorf(codes.Aborted, "starting token %d is past the %d volumes", start, len(vols))
 	}
-	end := len(vols)
-	if m := int(req.GetMaxEntries()); m > 0 && start+m < end {
-		end = start + m
-	}
+	end := pageEnd(start, len(vols), req.GetMaxEntries())
 	resp := &csi.ListVolumesResponse{}
 	for _, v := range vols[start:end] {
 		resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{Volume: v})
@@ -48,6 +45,15 @@ func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (
 		resp.NextToken = strconv.Itoa(end)
 	}
 	return resp, nil
+}
+
+// pageEnd is where a page starting at start ends, of n entries, for a
+// list call's max_entries (0: no limit).
+func pageEnd(start, n int, maxEntries int32) int {
+	if m := int(maxEntries); m > 0 && start+m < n {
+		return start + m
+	}
+	return n
 }
 
 func (d *Driver) allVolumes() ([]*csi.Volume, error) {

@@ -428,10 +428,7 @@ func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsReques
 	}
 	sort.Slice(snaps, func(i, k int) bool { return snaps[i].SnapshotId < snaps[k].SnapshotId })
 	start := sort.Search(len(snaps), func(i int) bool { return after == "" || snaps[i].SnapshotId > after })
-	end := len(snaps)
-	if m := int(req.GetMaxEntries()); m > 0 && start+m < end {
-		end = start + m
-	}
+	end := pageEnd(start, len(snaps), req.GetMaxEntries())
 	resp := &csi.ListSnapshotsResponse{}
 	for _, s := range snaps[start:end] {
 		resp.Entries = append(resp.Entries, &csi.ListSnapshotsResponse_Entry{Snapshot: s})

@@ -43,7 +43,6 @@ type flattenJob struct {
 	mu          sync.Mutex
 	doneObjects uint64
 	totalObj    uint64
-	err         error
 }
 
 // progress is the objects copied and the total, as last reported.
@@ -114,8 +113,7 @@ func (f *flattener) run(key string, o ceph.Options, j journal, job *flattenJob, 
 	select {
 	case f.slots <- struct{}{}:
 	case <-job.stop:
-		job.err = errFlattenCancelled
-		return
+		return // stopped before it started: still owed
 	}
 	defer func() { <-f.slots }()
 	defer f.exclusive(key)()
@@ -129,7 +127,6 @@ func (f *flattener) run(key string, o ceph.Options, j journal, job *flattenJob, 
 			log.Info("flatten progress", "objects", done, "of", total, "percent", done*100/total)
 		}
 	})
-	job.err = err
 	switch {
 	case err == nil:
 		log.Info("flatten done", "took", time.Since(t0).Round(time.Millisecond))
@@ -154,8 +151,6 @@ func (f *flattener) run(key string, o ceph.Options, j journal, job *flattenJob, 
 		onDone()
 	}
 }
-
-var errFlattenCancelled = errors.New("flatten cancelled before it started")
 
 // exclusive takes the image's flatten-or-snapshot lock (key: jobKey)
 // and returns its release. A snapshot must not be taken while the

@@ -120,20 +120,34 @@ func imageInfo(ioctx *rados.IOContext, spec ceph.ImageSpec) (ceph.ImageInfo, err
 // ResizeImage sets spec's size. Mapped copies follow through their update
 // watch.
 func (c *Clusters) ResizeImage(o ceph.Options, spec ceph.ImageSpec, size uint64) error {
-	ioctx, release, err := c.ioctx(o, spec)
+	img, release, err := c.image(o, spec, false)
 	if err != nil {
 		return err
 	}
 	defer release()
-	img, err := rbd.OpenImage(ioctx, spec.Image, rbd.NoSnapshot)
-	if err != nil {
-		return imageError(spec, "open", err)
-	}
-	defer img.Close()
 	if err := img.Resize(size); err != nil {
 		return imageError(spec, "resize", err)
 	}
 	return nil
+}
+
+// image opens spec's image through go-ceph on the shared connection;
+// release closes it and drops the connection reference.
+func (c *Clusters) image(o ceph.Options, spec ceph.ImageSpec, readOnly bool) (*rbd.Image, func(), error) {
+	ioctx, release, err := c.ioctx(o, spec)
+	if err != nil {
+		return nil, nil, err
+	}
+	open := rbd.OpenImage
+	if readOnly {
+		open = rbd.OpenImageReadOnly
+	}
+	img, err := open(ioctx, spec.Image, rbd.NoSnapshot)
+	if err != nil {
+		release()
+		return nil, nil, imageError(spec, "open", err)
+	}
+	return img, func() { img.Close(); release() }, nil
 }
 
 // RemoveImage removes spec. An image with watchers (mapped or open

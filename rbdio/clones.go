@@ -271,16 +271,11 @@ func (c *Clusters) RenameImage(o ceph.Options, spec ceph.ImageSpec, name string)
 // UpdateMetadata sets and removes metadata keys of spec's image (a
 // missing key to remove is fine).
 func (c *Clusters) UpdateMetadata(o ceph.Options, spec ceph.ImageSpec, set map[string]string, rm []string) error {
-	ioctx, release, err := c.ioctx(o, spec)
+	img, release, err := c.image(o, spec, false)
 	if err != nil {
 		return err
 	}
 	defer release()
-	img, err := rbd.OpenImage(ioctx, spec.Image, rbd.NoSnapshot)
-	if err != nil {
-		return imageError(spec, "open", err)
-	}
-	defer img.Close()
 	for _, k := range slices.Sorted(maps.Keys(set)) {
 		if err := img.SetMetadata(k, set[k]); err != nil {
 			return imageError(spec, "set metadata of", err)

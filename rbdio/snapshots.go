@@ -62,16 +62,11 @@ func (c *Clusters) GetSnapshot(o ceph.Options, ref ceph.ImageRef, snapID uint64)
 // ListSnapshots lists every snapshot of spec's image, those in the trash
 // namespace included.
 func (c *Clusters) ListSnapshots(o ceph.Options, spec ceph.ImageSpec) ([]ceph.Snapshot, error) {
-	ioctx, release, err := c.ioctx(o, spec)
+	img, release, err := c.image(o, spec, true)
 	if err != nil {
 		return nil, err
 	}
 	defer release()
-	img, err := rbd.OpenImageReadOnly(ioctx, spec.Image, rbd.NoSnapshot)
-	if err != nil {
-		return nil, imageError(spec, "open", err)
-	}
-	defer img.Close()
 	return snapshots(img, spec)
 }
 
