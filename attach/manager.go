@@ -16,6 +16,7 @@ import (
 	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
 	"github.com/rbd-nbd-go/rbd-nbd-go/control"
 	"github.com/rbd-nbd-go/rbd-nbd-go/devspec"
+	"github.com/rbd-nbd-go/rbd-nbd-go/internal/keyring"
 	"github.com/rbd-nbd-go/rbd-nbd-go/kernel"
 	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
 	"github.com/rbd-nbd-go/rbd-nbd-go/rbdio"
@@ -37,6 +38,9 @@ type Config struct {
 	// MemoryBudget bounds the payload bytes in flight over every device
 	// (nbd.DefaultMemoryBudget if 0): all devices share one nbd.Shared.
 	MemoryBudget int
+	// Keys keeps encrypted devices' passphrases; nil means the kernel's
+	// user keyring.
+	Keys Keys
 }
 
 // Manager serves every NBD device of the node.
@@ -86,6 +90,9 @@ func NewManager(cfg Config) *Manager {
 	}
 	if cfg.ReattachWait <= 0 {
 		cfg.ReattachWait = 10 * time.Second
+	}
+	if cfg.Keys == nil {
+		cfg.Keys = keyring.Kernel{Prefix: "rbd-nbd-go:"}
 	}
 	return &Manager{cfg: cfg, log: cfg.Log, shared: nbd.NewShared(cfg.MemoryBudget), devs: map[int]*device{}}
 }
@@ -172,8 +179,17 @@ func (m *Manager) Map(rec control.Record) (control.Record, error) {
 	}
 	m.devs[index] = d
 	m.mu.Unlock()
+	kept, err := m.keepPassphrase(d.rec)
+	if err != nil {
+		m.drop(index)
+		return undo(err)
+	}
+	m.mu.Lock()
+	d.rec = kept
+	m.mu.Unlock()
 	if err := m.cfg.Store.Save(d.rec); err != nil {
 		m.drop(index)
+		m.dropPassphrase(d.rec)
 		return undo(err)
 	}
 	m.tuneQueue(d.rec)
@@ -303,7 +319,7 @@ func (m *Manager) UnmapCookie(target, cookie string) error {
 	serr := d.stopServing()
 	t3 := time.Now()
 	m.drop(rec.Index)
-	err = errors.Join(derr, serr, m.cfg.Store.Remove(rec.Index))
+	err = errors.Join(derr, serr, m.cfg.Store.Remove(rec.Index), m.dropPassphrase(rec))
 	// The phases' times say where a slow unmap waited: on the device's
 	// lock (took less the rest), on the page cache (the exclusive open
 	// and fsync), on the kernel, or on the backend's flush and close.
@@ -364,6 +380,9 @@ func (m *Manager) Attach(rec control.Record) (control.Record, error) {
 		return control.Record{}, fmt.Errorf("%s is not connected in the kernel (use map)", rec.Device())
 	}
 	rec.Detached = false
+	if rec, err = m.withPassphrase(rec); err != nil {
+		return control.Record{}, err
+	}
 	d := &device{rec: rec}
 	s, err := newServed(rec, m.backendOptions(d), m.shared, m.log)
 	if err != nil {
@@ -373,6 +392,10 @@ func (m *Manager) Attach(rec control.Record) (control.Record, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if err := m.reattach(&d.rec, s); err != nil {
+		s.stop(5 * time.Second)
+		return control.Record{}, err
+	}
+	if d.rec, err = m.keepPassphrase(d.rec); err != nil {
 		s.stop(5 * time.Second)
 		return control.Record{}, err
 	}
@@ -512,6 +535,7 @@ func (m *Manager) Restore() error {
 		if err != nil || !st.Connected {
 			m.log.Warn("forgetting a device the kernel no longer has", "device", rec.Device(), "spec", rec.Spec)
 			m.cfg.Store.Remove(rec.Index)
+			m.dropPassphrase(rec)
 			continue
 		}
 		if _, err := m.Attach(rec); err != nil {

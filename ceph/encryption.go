@@ -1,9 +1,14 @@
 package ceph
 
 import (
+	"errors"
 	"fmt"
 	"log/slog"
 )
+
+// ErrBadPassphrase: the passphrase opens no keyslot of the image's LUKS
+// header.
+var ErrBadPassphrase = errors.New("the passphrase does not open the image's LUKS header")
 
 // Encryption opens a LUKS-formatted image through librbd's client-side
 // encryption (the image must have been formatted with

@@ -61,6 +61,7 @@ func sentinels() []struct {
 		{"locked", ceph.ErrLocked},
 		{"unreachable", ceph.ErrUnreachable},
 		{"in_use", ceph.ErrImageInUse},
+		{"bad_passphrase", ceph.ErrBadPassphrase},
 	}
 }
 

@@ -37,7 +37,11 @@ static void nbdgo_wipe_free(char *p, size_t len) {
 */
 import "C"
 
-import "github.com/rbd-nbd-go/rbd-nbd-go/ceph"
+import (
+	"github.com/ceph/go-ceph/rbd"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
+)
 
 // rbd_encryption_load.
 func (i cImage) loadEncryption(e ceph.Encryption) error {
@@ -63,4 +67,21 @@ func boolInt(b bool) C.int {
 		return 1
 	}
 	return 0
+}
+
+// FormatEncryption writes a LUKS2 header (aes-256-xts) with passphrase
+// at the start of spec's image, which must hold no data yet: librbd's
+// format overwrites its first 16 MiB. Reads and writes through an image
+// opened with the passphrase then see the rest, encrypted on the OSDs.
+func (c *Clusters) FormatEncryption(o ceph.Options, spec ceph.ImageSpec, passphrase []byte) error {
+	img, release, err := c.image(o, spec, false)
+	if err != nil {
+		return err
+	}
+	defer release()
+	if err := img.EncryptionFormat(rbd.EncryptionOptionsLUKS2{
+		Alg: rbd.EncryptionAlgorithmAES256, Passphrase: passphrase}); err != nil {
+		return imageError(spec, "format LUKS2 on", err)
+	}
+	return nil
 }

@@ -130,6 +130,9 @@ func (im *Image) start(oo OpenOptions) error {
 			return err
 		}
 		if err := im.img.loadEncryption(oo.Encryption); err != nil {
+			if errors.Is(err, syscall.EPERM) {
+				return fmt.Errorf("image %s: %w", im.spec, ceph.ErrBadPassphrase)
+			}
 			return fmt.Errorf("image %s: load %s encryption (wrong passphrase, or not formatted?): %w",
 				im.spec, oo.Encryption.Format, err)
 		}
