@@ -105,6 +105,9 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
+	if p.QoS, err = createQoS(p.QoS, req.GetMutableParameters()); err != nil {
+		return nil, err
+	}
 	if _, err := volumeSize(req.GetCapacityRange(), 0); err != nil {
 		return nil, err
 	}
@@ -127,6 +130,9 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	// which librbd cannot interrupt: it holds the name until it ends.
 	return detach(ctx, release, func() (*csi.CreateVolumeResponse, error) {
 		v, err := d.createVolume(o, name, vol, p, accs, req.GetCapacityRange(), req.GetVolumeContentSource())
+		if err == nil {
+			err = d.applyQoS(o, vol, p.QoS, v)
+		}
 		if err != nil {
 			return nil, err
 		}
@@ -430,6 +436,9 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 		d.log.Info("expanded volume", "image", vol.Spec.String(), "from", info.Size, "to", size)
 	} else {
 		size = info.Size
+	}
+	if err := d.resizeQoS(o, vol, info.Meta, size); err != nil {
+		return nil, err
 	}
 	return &csi.ControllerExpandVolumeResponse{CapacityBytes: int64(size), NodeExpansionRequired: !block}, nil
 }

@@ -27,6 +27,10 @@ type fakeImages struct {
 	pools   map[string]bool
 	goodKey string
 	ss      *fakeSnapState // fakesnap_test.go
+	// copyParentMeta: CloneImage copies the parent's metadata, as
+	// librbd does. TestHalfMadeCloneIsFinished fails with it (a clone
+	// killed before its own metadata carries its parent's volume name).
+	copyParentMeta bool
 }
 
 func newFakeImages() *fakeImages {

@@ -2,6 +2,7 @@ package csi
 
 import (
 	"fmt"
+	"maps"
 	"sort"
 	"strings"
 	"time"
@@ -204,10 +205,14 @@ func (f *fakeImages) CloneImage(o ceph.Options, parent, child ceph.ImageSpec, n 
 	if _, ok := f.images[child.String()]; ok {
 		return fmt.Errorf("exists")
 	}
+	// librbd copies the parent's metadata into the clone (CloneRequest's
+	// copy_metadata), then ours goes over it; only tests that ask for it
+	// get the copy so far (see copyParentMeta).
 	meta := map[string]string{}
-	for k, v := range n.Meta {
-		meta[k] = v
+	if f.copyParentMeta {
+		maps.Copy(meta, pi.Meta)
 	}
+	maps.Copy(meta, n.Meta)
 	size := max(n.Size, snap.Size)
 	f.images[child.String()] = ceph.ImageInfo{Spec: child, ID: f.newID(), Size: size, Features: n.Features, Meta: meta,
 		Parent: &ceph.Link{Pool: parent.Pool, Namespace: parent.Namespace, ImageID: pi.ID, Image: pi.Spec.Image,

@@ -21,6 +21,7 @@ type params struct {
 	MkfsOptions  string
 	MapOptions   string // the nbd part, checked, for the volume context
 	UnmapOptions string // accepted for compatibility; unmap takes none
+	QoS          qos    // qos.go
 }
 
 // defaultFeatures: exclusive-lock is what lets RWO volumes map with the
@@ -40,7 +41,7 @@ func ignoredParam(k string) bool {
 // parseParams checks every parameter; an unknown one is refused by name.
 // The map options are checked over mapDefaults, the node's defaults.
 func parseParams(in map[string]string, mapDefaults control.MapOptions) (params, error) {
-	var p params
+	p := params{QoS: qos{}}
 	keys := make([]string, 0, len(in))
 	for k := range in {
 		keys = append(keys, k)
@@ -71,7 +72,9 @@ func parseParams(in map[string]string, mapDefaults control.MapOptions) (params, 
 				err = fmt.Errorf("only image format 2 is supported")
 			}
 		default:
-			if !ignoredParam(k) {
+			if isQoSParam(k) {
+				err = p.QoS.set(k, v)
+			} else if !ignoredParam(k) {
 				return p, fmt.Errorf("unknown parameter %q", k)
 			}
 		}

@@ -8,7 +8,8 @@
 #         restart survival (SIGKILL and SIGTERM) under fio verify, bad
 #         input, stage/unstage times beside ceph-csi's commands, and
 #         snapshots, restores and clones of mounted volumes (data byte for
-#         byte, the freeze, every delete order, times beside ceph-csi's).
+#         byte, the freeze, every delete order, times beside ceph-csi's),
+#         and a QoS limit changed live under fio (ControllerModifyVolume).
 #         Uses bin/csi-conformance.test (make builds it).
 # dropin: ceph-csi's whole call sequence with our binary installed as
 #         rbd-nbd: its start-up probe, then map/list/unmap through Ceph's
@@ -24,11 +25,11 @@ scenario_go() {
 		timeout -k 10 2400 "$T" -test.v -test.count=1 -test.timeout 38m) >"$out" 2>&1
 	rc=$?
 	# What the note reports: sanity's counts, the times, the stalls.
-	sed 's/\x1b\[[0-9;]*m//g' "$out" | grep -aE '^(Ran |SUCCESS|FAIL!)|took|longest|grew online|plugin back|first stage|second stage|snapshot of a mounted|restore to|pool and trash|^\s*(--- |ok|FAIL)' |
+	sed 's/\x1b\[[0-9;]*m//g' "$out" | grep -aE '^(Ran |SUCCESS|FAIL!)|took|longest|fio measured|grew online|plugin back|first stage|second stage|snapshot of a mounted|restore to|pool and trash|^\s*(--- |ok|FAIL)' |
 		sed 's/^/e2e:   /'
 	local tst
 	for tst in TestSanity TestVolumeLifecycle TestRetainAndStaticVolume TestOnlineExpand TestRestartSurvival TestBadInput TestStageTimeVsCephCSI \
-		TestSnapshotRestoreCloneMounted TestSnapshotTimeVsCephCSI; do
+		TestSnapshotRestoreCloneMounted TestSnapshotTimeVsCephCSI TestQoSLiveModify; do
 		check "$tst" grep -q "^--- PASS: $tst " "$out"
 	done
 	check "the conformance binary exited 0" test $rc -eq 0

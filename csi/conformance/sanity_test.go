@@ -32,7 +32,7 @@ func TestSanity(t *testing.T) {
 	for _, k := range []string{"CreateVolumeSecret", "DeleteVolumeSecret", "ControllerPublishVolumeSecret",
 		"ControllerUnpublishVolumeSecret", "ControllerValidateVolumeCapabilitiesSecret", "NodeStageVolumeSecret",
 		"NodePublishVolumeSecret", "ControllerExpandVolumeSecret", "CreateSnapshotSecret", "DeleteSnapshotSecret",
-		"ListSnapshotsSecret", "GetSnapshotSecret"} {
+		"ListSnapshotsSecret", "GetSnapshotSecret", "ControllerModifyVolumeSecret"} {
 		fmt.Fprintf(&b, "%s: %s\n", k, secrets)
 	}
 	os.WriteFile(secretsFile, []byte(b.String()), 0o600)
@@ -47,6 +47,8 @@ func TestSanity(t *testing.T) {
 		cfg.TestVolumeParameters = map[string]string{"clusterID": "dev", "pool": "rbd"}
 		// A VolumeSnapshotClass's parameters, ceph-csi's names.
 		cfg.TestSnapshotParameters = map[string]string{"clusterID": "dev", "snapshotNamePrefix": "sanity-"}
+		// A VolumeAttributesClass's: runs the ModifyVolume specs.
+		cfg.TestVolumeMutableParameters = map[string]string{"maxIops": "500"}
 		// Small volumes: mkfs and the memstore OSD stay quick under TCG.
 		cfg.TestVolumeSize = 64 << 20
 		cfg.TestVolumeExpandSize = 128 << 20
