@@ -33,7 +33,7 @@ func cephStatus(err error, what string) error {
 		c = codes.InvalidArgument
 	case errors.Is(err, ceph.ErrImageNotFound), errors.Is(err, ceph.ErrPoolNotFound):
 		c = codes.NotFound
-	case errors.Is(err, ceph.ErrPermission):
+	case errors.Is(err, ceph.ErrPermission), errors.Is(err, ceph.ErrBadPassphrase):
 		c = codes.PermissionDenied
 	case errors.Is(err, ceph.ErrUnreachable):
 		c = codes.Unavailable

@@ -3,6 +3,7 @@ package csi
 import (
 	"context"
 	"errors"
+	"maps"
 	"slices"
 	"time"
 
@@ -111,6 +112,12 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if _, err := volumeSize(req.GetCapacityRange(), 0); err != nil {
 		return nil, err
 	}
+	if p.Encryption.On {
+		// A bad KMS ID or Secret fails before anything is made.
+		if _, err := keyManagerFor(d.cfg.KMSConfig, p.Encryption.KMSID, req.GetSecrets()); err != nil {
+			return nil, err
+		}
+	}
 	creds, err := credentialsFrom(req.GetSecrets())
 	if err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
@@ -129,7 +136,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	// A clone's snapshot waits for the node to freeze its filesystem,
 	// which librbd cannot interrupt: it holds the name until it ends.
 	return detach(ctx, release, func() (*csi.CreateVolumeResponse, error) {
-		v, err := d.createVolume(o, name, vol, p, accs, req.GetCapacityRange(), req.GetVolumeContentSource())
+		v, err := d.createVolume(o, name, vol, p, accs, req.GetCapacityRange(), req.GetVolumeContentSource(), req.GetSecrets())
 		if err == nil {
 			err = d.applyQoS(o, vol, p.QoS, v)
 		}
@@ -142,7 +149,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 }
 
 func (d *Driver) createVolume(o ceph.Options, name string, vol volume, p params, accs []access,
-	cr *csi.CapacityRange, content *csi.VolumeContentSource) (*csi.Volume, error) {
+	cr *csi.CapacityRange, content *csi.VolumeContentSource, secrets map[string]string) (*csi.Volume, error) {
 	wantSrc, err := contentID(content)
 	if err != nil {
 		return nil, err
@@ -152,7 +159,7 @@ func (d *Driver) createVolume(o ceph.Options, name string, vol volume, p params,
 	case err == nil:
 		// A retry: answered from the image, even if its source has
 		// gone since (a lost reply must not turn into NotFound).
-		size, err := d.existingVolume(o, name, vol, p, accs, cr, content, wantSrc, info)
+		size, err := d.existingVolume(o, name, vol, p, accs, cr, content, wantSrc, info, secrets)
 		if err != nil {
 			return nil, err
 		}
@@ -180,12 +187,22 @@ func (d *Driver) createVolume(o ceph.Options, name string, vol volume, p params,
 		return nil, err
 	}
 	if src != nil {
-		if err := d.cloneVolume(o, name, vol, p, features, size, src, volumeKind(accs)); err != nil {
+		if err := d.cloneVolume(o, name, vol, p, features, size, src, volumeKind(accs), secrets); err != nil {
 			return nil, err
 		}
 	} else {
-		err = d.cfg.Images.CreateImage(o, vol.Spec, ceph.NewImage{Size: size, Features: features,
-			DataPool: p.DataPool, Meta: volumeMeta(name, "", volumeKind(accs))})
+		meta := volumeMeta(name, "", volumeKind(accs))
+		var pass []byte
+		if p.Encryption.On {
+			var em map[string]string
+			if pass, em, err = d.newEncryptionMeta(p.Encryption, vol.ID(), secrets); err != nil {
+				return nil, err
+			}
+			defer clear(pass)
+			maps.Copy(meta, em)
+		}
+		err = d.cfg.Images.CreateImage(o, vol.Spec, ceph.NewImage{Size: imageBytes(size, p.Encryption.On),
+			Features: features, DataPool: p.DataPool, Meta: meta})
 		if errors.Is(err, ceph.ErrPoolNotFound) || errors.Is(err, ceph.ErrImageNotFound) {
 			// A missing data pool reads as ENOENT from librbd.
 			return nil, status.Errorf(codes.InvalidArgument, "create %s (pool or dataPool missing?): %v", vol.Spec, err)
@@ -193,7 +210,16 @@ func (d *Driver) createVolume(o ceph.Options, name string, vol volume, p params,
 		if err != nil {
 			return nil, cephStatus(err, "create image")
 		}
-		d.log.Info("created volume", "name", name, "image", vol.Spec.String(), "size", size)
+		if p.Encryption.On {
+			if err := d.formatPrepared(o, vol, pass); err != nil {
+				// Nothing half made: the image holds nothing yet.
+				if rerr := d.cfg.Images.RemoveImage(o, vol.Spec); rerr != nil {
+					d.log.Warn("remove the image of a volume whose LUKS format failed", "image", vol.Spec.String(), "err", rerr)
+				}
+				return nil, err
+			}
+		}
+		d.log.Info("created volume", "name", name, "image", vol.Spec.String(), "size", size, "encrypted", p.Encryption.On)
 	}
 	return &csi.Volume{VolumeId: vol.ID(), CapacityBytes: int64(size), VolumeContext: volumeContext(p, vol),
 		ContentSource: content}, nil
@@ -238,23 +264,46 @@ func contentID(c *csi.VolumeContentSource) (string, error) {
 // not finish (a controller killed between the clone or create and its
 // metadata) is finished, if it is what this call would have made.
 func (d *Driver) existingVolume(o ceph.Options, name string, vol volume, p params, accs []access,
-	cr *csi.CapacityRange, content *csi.VolumeContentSource, wantSrc string, info ceph.ImageInfo) (uint64, error) {
-	if n := info.Meta[metaName]; n != "" && n != name {
+	cr *csi.CapacityRange, content *csi.VolumeContentSource, wantSrc string, info ceph.ImageInfo,
+	secrets map[string]string) (uint64, error) {
+	n := info.Meta[metaName]
+	if n != "" && n != name && imageName(n) == vol.Spec.Image {
 		return 0, status.Errorf(codes.AlreadyExists, "image %s belongs to volume %q", vol.Spec, n)
 	}
-	if info.Meta[metaName] == "" {
+	// A name that is not this image's own came with its parent's
+	// metadata, which librbd copies into a clone: the clone's creator
+	// died before writing ours over it.
+	if n == "" || imageName(n) != vol.Spec.Image {
 		var err error
-		if info, err = d.adopt(o, name, vol, accs, cr, content, wantSrc, info); err != nil {
+		if info, err = d.adopt(o, name, vol, p, accs, cr, content, wantSrc, info, secrets); err != nil {
 			return 0, err
 		}
 	}
+	if isEncrypted(info.Meta) != p.Encryption.On {
+		return 0, status.Errorf(codes.AlreadyExists, "volume %q exists, encrypted %v, not %v",
+			name, isEncrypted(info.Meta), p.Encryption.On)
+	}
+	if info.Meta[metaEncrypted] == statePrepared {
+		// Its creator died between the key and the header.
+		pass, err := d.volumeKey(info.Meta[metaKMSID], vol.ID(), info.Meta, nil, secrets)
+		if err != nil {
+			return 0, err
+		}
+		err = d.formatPrepared(o, vol, pass)
+		clear(pass)
+		if err != nil {
+			return 0, err
+		}
+		info.Meta[metaEncrypted] = stateEncrypted
+	}
+	size := usableBytes(info.Size, info.Meta)
 	if got := info.Meta[metaSource]; got != wantSrc {
 		return 0, status.Errorf(codes.AlreadyExists, "volume %q exists, made from %q, not %q", name, got, wantSrc)
 	}
 	lim := cr.GetLimitBytes()
-	if info.Size < uint64(cr.GetRequiredBytes()) || (lim > 0 && info.Size > uint64(lim)) {
+	if size < uint64(cr.GetRequiredBytes()) || (lim > 0 && size > uint64(lim)) {
 		return 0, status.Errorf(codes.AlreadyExists,
-			"volume %q exists with %d bytes, outside the requested range", name, info.Size)
+			"volume %q exists with %d bytes, outside the requested range", name, size)
 	}
 	if wantSrc != "" {
 		if err := d.cloneDepthOK(o, vol, info); err != nil {
@@ -265,7 +314,7 @@ func (d *Driver) existingVolume(o ceph.Options, name string, vol volume, p param
 		}
 	}
 	d.log.Info("volume exists", "name", name, "image", vol.Spec.String())
-	return info.Size, nil
+	return size, nil
 }
 
 // adopt finishes an image at a volume's name that has no volume name in
@@ -274,15 +323,17 @@ func (d *Driver) existingVolume(o ceph.Options, name string, vol volume, p param
 // only if it is what this call would make: a plain image for no source,
 // a clone of the source's image for a source. Anything else is someone
 // else's image: AlreadyExists.
-func (d *Driver) adopt(o ceph.Options, name string, vol volume, accs []access, cr *csi.CapacityRange,
-	content *csi.VolumeContentSource, wantSrc string, info ceph.ImageInfo) (ceph.ImageInfo, error) {
+func (d *Driver) adopt(o ceph.Options, name string, vol volume, p params, accs []access, cr *csi.CapacityRange,
+	content *csi.VolumeContentSource, wantSrc string, info ceph.ImageInfo, secrets map[string]string) (ceph.ImageInfo, error) {
 	foreign := status.Errorf(codes.AlreadyExists, "image %s exists and is not volume %q's", vol.Spec, name)
+	var srcKey map[string]string // a clone's copy of its source's key
+	var src *volSource
 	if (wantSrc == "") != (info.Parent == nil) {
 		return info, foreign
 	}
 	if wantSrc != "" {
-		src, err := d.resolveSource(o, vol.ClusterID, content, volumeKind(accs))
-		if err != nil {
+		var err error
+		if src, err = d.resolveSource(o, vol.ClusterID, content, volumeKind(accs)); err != nil {
 			return info, err
 		}
 		if info.Parent.ImageID != src.ref.ID || info.Parent.Pool != src.ref.Pool {
@@ -292,15 +343,33 @@ func (d *Driver) adopt(o ceph.Options, name string, vol volume, accs []access, c
 		if err != nil {
 			return info, err
 		}
+		size = imageBytes(size, isEncrypted(src.meta))
 		if info.Size < size {
 			if err := d.cfg.Images.ResizeImage(o, vol.Spec, size); err != nil {
 				return info, cephStatus(err, "grow "+describe(vol))
 			}
 			info.Size = size
 		}
+		if srcKey, err = d.cloneEncryption(src, p.Encryption, vol.ID(), secrets); err != nil {
+			return info, err
+		}
 	}
 	meta := volumeMeta(name, wantSrc, volumeKind(accs))
-	if err := d.cfg.Images.UpdateMetadata(o, vol.Spec, meta, nil); err != nil {
+	maps.Copy(meta, srcKey)
+	var rm []string
+	if src != nil {
+		rm = notInherited(meta, src.meta)
+	}
+	if p.Encryption.On && wantSrc == "" && !isEncrypted(info.Meta) {
+		// Made before its key was: make one (the header comes next).
+		pass, em, err := d.newEncryptionMeta(p.Encryption, vol.ID(), secrets)
+		if err != nil {
+			return info, err
+		}
+		clear(pass)
+		maps.Copy(meta, em)
+	}
+	if err := d.cfg.Images.UpdateMetadata(o, vol.Spec, meta, rm); err != nil {
 		return info, cephStatus(err, "finish "+describe(vol))
 	}
 	if info.Meta == nil {
@@ -326,6 +395,7 @@ func volumeContext(p params, vol volume) map[string]string {
 	if p.MapOptions != "" {
 		c["mapOptions"] = "nbd:" + p.MapOptions
 	}
+	p.Encryption.context(c)
 	return c
 }
 
@@ -429,13 +499,15 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 	if err != nil {
 		return nil, cephStatus(err, "look up "+describe(vol))
 	}
-	if info.Size < size {
-		if err := d.cfg.Images.ResizeImage(o, vol.Spec, size); err != nil {
+	// An encrypted image is larger than its volume by the LUKS header;
+	// librbd shows the mapped device the rest, so it grows online.
+	if cur := usableBytes(info.Size, info.Meta); cur < size {
+		if err := d.cfg.Images.ResizeImage(o, vol.Spec, imageBytes(size, isEncrypted(info.Meta))); err != nil {
 			return nil, cephStatus(err, "resize "+describe(vol))
 		}
-		d.log.Info("expanded volume", "image", vol.Spec.String(), "from", info.Size, "to", size)
+		d.log.Info("expanded volume", "image", vol.Spec.String(), "from", cur, "to", size)
 	} else {
-		size = info.Size
+		size = cur
 	}
 	if err := d.resizeQoS(o, vol, info.Meta, size); err != nil {
 		return nil, err

@@ -3,6 +3,7 @@ package csi
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -37,6 +38,10 @@ type volSource struct {
 	// deepFlatten: flattening the source image cuts the chain a clone of
 	// it would have (see cloneStep).
 	deepFlatten bool
+	// meta is the source image's metadata (its encryption), and volID
+	// the ID of the volume it is the image of (its key's salt).
+	meta  map[string]string
+	volID string
 }
 
 // id is the source's CSI ID, as metaSource records it ("" for none).
@@ -80,6 +85,9 @@ func (d *Driver) resolveSource(o ceph.Options, clusterID string, c *csi.VolumeCo
 			return nil, cephStatus(err, "look up the image of snapshot "+sid.String())
 		}
 		src.deepFlatten = info.HasFeature("deep-flatten")
+		src.meta, src.size = info.Meta, usableBytes(s.Size, info.Meta)
+		src.volID = volume{ClusterID: sid.ClusterID, Spec: ceph.ImageSpec{Pool: sid.Image.Pool,
+			Namespace: sid.Image.Namespace, Image: s.ImageName}}.ID()
 		j := d.journal(o, sid.Image.Pool, sid.Image.Namespace)
 		if name, ok, err := j.getString(snapIDKey(sid)); err == nil && ok {
 			var rec snapRecord
@@ -107,7 +115,8 @@ func (d *Driver) resolveSource(o ceph.Options, clusterID string, c *csi.VolumeCo
 			return nil, status.Errorf(codes.InvalidArgument, "source volume %s has no layering feature: it cannot be cloned", describe(v))
 		}
 		src = &volSource{volume: &v, ref: ceph.ImageRef{Pool: v.Spec.Pool, Namespace: v.Spec.Namespace, ID: info.ID},
-			size: info.Size, name: v.Spec.Image, kind: info.Meta[metaKind], deepFlatten: true}
+			size: usableBytes(info.Size, info.Meta), name: v.Spec.Image, kind: info.Meta[metaKind], deepFlatten: true,
+			meta: info.Meta, volID: v.ID()}
 	default:
 		return nil, status.Error(codes.InvalidArgument, "volume content source is neither a snapshot nor a volume")
 	}
@@ -129,7 +138,11 @@ func kindName(k string) string {
 // the source must be flattened first, a background flatten of the new
 // volume when it is past the soft depth.
 func (d *Driver) cloneVolume(o ceph.Options, name string, vol volume, p params, features []string, size uint64,
-	src *volSource, kind string) error {
+	src *volSource, kind string, secrets map[string]string) error {
+	srcKey, err := d.cloneEncryption(src, p.Encryption, vol.ID(), secrets)
+	if err != nil {
+		return err
+	}
 	chain, err := d.cfg.Images.ParentChain(o, src.ref, src.snapID)
 	if err != nil {
 		return cephStatus(err, "parent chain of "+src.id())
@@ -168,8 +181,10 @@ func (d *Driver) cloneVolume(o ceph.Options, name string, vol volume, p params, 
 	if !slices.Contains(features, "layering") {
 		features = append(append([]string{}, features...), "layering")
 	}
-	err = d.cfg.Images.CloneImage(o, parent, vol.Spec, ceph.NewImage{Size: size, Features: features,
-		DataPool: p.DataPool, Meta: volumeMeta(name, src.id(), kind)})
+	meta := volumeMeta(name, src.id(), kind)
+	maps.Copy(meta, srcKey)
+	err = d.cfg.Images.CloneImage(o, parent, vol.Spec, ceph.NewImage{Size: imageBytes(size, p.Encryption.On),
+		Features: features, DataPool: p.DataPool, Meta: meta})
 	if src.volume != nil {
 		// Made or not, the clone needs its temporary snapshot no more:
 		// a snapshot left behind would keep a deleted source's image.
@@ -182,8 +197,13 @@ func (d *Driver) cloneVolume(o ceph.Options, name string, vol volume, p params, 
 	case err != nil:
 		return cephStatus(err, "clone "+src.id())
 	}
+	if rm := notInherited(meta, src.meta); len(rm) > 0 {
+		if err := d.cfg.Images.UpdateMetadata(o, vol.Spec, nil, rm); err != nil {
+			return cephStatus(err, "finish "+describe(vol))
+		}
+	}
 	d.log.Info("created volume", "name", name, "image", vol.Spec.String(), "size", size, "from", src.id(),
-		"depth", len(chain)+1)
+		"depth", len(chain)+1, "encrypted with the key of", srcKey[metaKeyOf])
 	if step != cloneThenFlatten && step != flattenCloneFirst {
 		return nil
 	}
@@ -270,4 +290,19 @@ func (d *Driver) dropCloneSnapshot(o ceph.Options, source, name string) {
 			}
 		}
 	}
+}
+
+// notInherited lists the keys librbd copied from a clone's parent (it
+// copies all image metadata, parent) that must not hold for the clone
+// unless its own metadata, meta, sets them: that its parent was deleted,
+// or sealed a key the clone's KMS does not use.
+func notInherited(meta, parent map[string]string) []string {
+	var rm []string
+	for _, k := range []string{metaGoneFrom, metaDEK, metaDEKSalt, metaEncrypted, metaKMSID, metaKeyOf} {
+		_, ours := meta[k]
+		if _, theirs := parent[k]; theirs && !ours {
+			rm = append(rm, k)
+		}
+	}
+	return rm
 }

@@ -82,7 +82,7 @@ func (d *Driver) allVolumes() ([]*csi.Volume, error) {
 					continue // a deleted volume's image, kept for its snapshots
 				}
 				vols = append(vols, &csi.Volume{VolumeId: volume{ClusterID: cl.ClusterID, Spec: info.Spec}.ID(),
-					CapacityBytes: int64(info.Size)})
+					CapacityBytes: int64(usableBytes(info.Size, info.Meta))})
 			}
 		}
 	}

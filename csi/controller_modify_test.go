@@ -129,7 +129,6 @@ func TestQoSMutableParametersAtCreate(t *testing.T) {
 // from its source's metadata.
 func TestQoSRestoreTakesItsOwn(t *testing.T) {
 	r := newRig(t)
-	r.images.copyParentMeta = true
 	src := r.create(t, "src", 1<<30, map[string]string{"clusterID": "c1", "baseWriteIops": "100", "baseBps": "5000"})
 	s := r.snapshot(t, "snap", src.VolumeId)
 	plain, err := r.restore("plain", snapSource(s.SnapshotId), 0)

@@ -142,7 +142,7 @@ func (d *Driver) createSnapshot(o ceph.Options, src volume, name string, p snapP
 		return nil, cephStatus(err, "snapshot "+describe(src))
 	}
 	id := snapshotID{ClusterID: src.ClusterID, Image: s.Image, SnapID: s.ID}
-	rec.ID, rec.Size, rec.Created = id.String(), s.Size, s.Created.UTC()
+	rec.ID, rec.Size, rec.Created = id.String(), usableBytes(s.Size, info.Meta), s.Created.UTC()
 	if err := j.update(map[string]any{snapKey(name): rec, snapIDKey(id): name}); err != nil {
 		return nil, cephStatus(err, "record snapshot")
 	}

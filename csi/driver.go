@@ -38,6 +38,9 @@ type Images interface {
 	ListPools(o ceph.Options) ([]string, error)
 	PoolAvailable(o ceph.Options, pool string) (uint64, error)
 	Ping(o ceph.Options) error
+	// FormatEncryption writes a LUKS2 header with passphrase on an
+	// image that holds no data yet.
+	FormatEncryption(o ceph.Options, spec ceph.ImageSpec, passphrase []byte) error
 	Snapshots
 	Journals
 }
@@ -91,8 +94,13 @@ type Config struct {
 	// daemon's own state.
 	StateDir string
 
-	Images   Images   // controller
+	// Images is the controller's way to images, and the node's to an
+	// encrypted volume's key (which lives in image metadata).
+	Images   Images
 	Attacher Attacher // node
+	// KMSConfig is ceph-csi's KMS config file (DefaultKMSConfig if
+	// empty): what a StorageClass's encryptionKMSID names.
+	KMSConfig string
 	// Mounter formats and mounts (node); its Exec also runs resize
 	// tools.
 	Mounter *mount.SafeFormatAndMount
@@ -185,6 +193,9 @@ func New(cfg Config) (*Driver, error) {
 	}
 	if cfg.DeviceWait <= 0 {
 		cfg.DeviceWait = 2 * time.Minute
+	}
+	if cfg.KMSConfig == "" {
+		cfg.KMSConfig = DefaultKMSConfig
 	}
 	if cfg.SysBlock == "" {
 		cfg.SysBlock = "/sys/block"

@@ -27,10 +27,6 @@ type fakeImages struct {
 	pools   map[string]bool
 	goodKey string
 	ss      *fakeSnapState // fakesnap_test.go
-	// copyParentMeta: CloneImage copies the parent's metadata, as
-	// librbd does. TestHalfMadeCloneIsFinished fails with it (a clone
-	// killed before its own metadata carries its parent's volume name).
-	copyParentMeta bool
 }
 
 func newFakeImages() *fakeImages {
@@ -399,4 +395,26 @@ func (r *rig) create(t *testing.T, name string, size int64, params map[string]st
 		t.Fatal(err)
 	}
 	return resp.GetVolume()
+}
+
+// fakeLUKS is where the fake keeps the passphrase an image was formatted
+// with (librbd keeps only its LUKS header), for tests to check.
+const fakeLUKS = "fake/luks-passphrase"
+
+func (f *fakeImages) FormatEncryption(o ceph.Options, spec ceph.ImageSpec, pass []byte) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.check(o, spec.Pool); err != nil {
+		return err
+	}
+	i, ok := f.images[spec.String()]
+	if !ok {
+		return ceph.ErrImageNotFound
+	}
+	if i.Meta == nil {
+		i.Meta = map[string]string{}
+	}
+	i.Meta[fakeLUKS] = string(pass)
+	f.images[spec.String()] = i
+	return nil
 }

@@ -206,11 +206,10 @@ func (f *fakeImages) CloneImage(o ceph.Options, parent, child ceph.ImageSpec, n 
 		return fmt.Errorf("exists")
 	}
 	// librbd copies the parent's metadata into the clone (CloneRequest's
-	// copy_metadata), then ours goes over it; only tests that ask for it
-	// get the copy so far (see copyParentMeta).
-	meta := map[string]string{}
-	if f.copyParentMeta {
-		maps.Copy(meta, pi.Meta)
+	// copy_metadata), then ours goes over it.
+	meta := maps.Clone(pi.Meta)
+	if meta == nil {
+		meta = map[string]string{}
 	}
 	maps.Copy(meta, n.Meta)
 	size := max(n.Size, snap.Size)

@@ -94,6 +94,9 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 	mo.Quiesce = !ro
 	dev := control.Record{Index: control.AnyIndex, Spec: vol.Spec.String(), Cookie: id, MapOptions: mo,
 		Ceph: cl.options(creds, 0)}
+	if err := d.stageKey(cl.options(creds, controllerOSDTimeout), vol, req.GetVolumeContext(), req.GetSecrets(), &dev); err != nil {
+		return nil, err
+	}
 	if err := tx.run(ctx, dev, req.GetVolumeContext()["mkfsOptions"]); err != nil {
 		tx.undo(ctx)
 		return nil, err

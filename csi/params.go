@@ -22,6 +22,7 @@ type params struct {
 	MapOptions   string // the nbd part, checked, for the volume context
 	UnmapOptions string // accepted for compatibility; unmap takes none
 	QoS          qos    // qos.go
+	Encryption   encryption
 }
 
 // defaultFeatures: exclusive-lock is what lets RWO volumes map with the
@@ -71,6 +72,8 @@ func parseParams(in map[string]string, mapDefaults control.MapOptions) (params, 
 			if v != "2" {
 				err = fmt.Errorf("only image format 2 is supported")
 			}
+		case "encrypted", "encryptionType", "encryptionKMSID":
+			// parseEncryption, below, reads them together.
 		default:
 			if isQoSParam(k) {
 				err = p.QoS.set(k, v)
@@ -81,6 +84,10 @@ func parseParams(in map[string]string, mapDefaults control.MapOptions) (params, 
 		if err != nil {
 			return p, fmt.Errorf("parameter %q: %w", k, err)
 		}
+	}
+	var err error
+	if p.Encryption, err = parseEncryption(in); err != nil {
+		return p, err
 	}
 	if p.ClusterID == "" {
 		return p, fmt.Errorf("parameter %q is required", "clusterID")

@@ -27,6 +27,7 @@ type csiOpts struct {
 	endpoint, nodeID, driverName string
 	controller, node             bool
 	clustersConfig               string
+	kmsConfig                    string
 	nodeRegistry                 string
 	controllerSecretDir          string
 	registrationPath             string
@@ -68,6 +69,8 @@ StorageClass parameters and Secret keys are ceph-csi's.`,
 	f.BoolVar(&o.node, "nodeserver", false, "serve the node service")
 	f.StringVar(&o.clustersConfig, "clusters-config", "/etc/ceph-csi-config/config.json",
 		"ceph-csi's clusters config.json: clusterID, monitors, rbd.radosNamespace")
+	f.StringVar(&o.kmsConfig, "kms-config", csi.DefaultKMSConfig,
+		"ceph-csi's KMS config (the csi-kms-connection-details ConfigMap as a file): what encryptionKMSID names")
 	f.StringVar(&o.controllerSecretDir, "controller-secret-dir", "",
 		"directory with userID and userKey files (a mounted Secret): credentials for the calls that carry none (ListVolumes, GetCapacity, Probe)")
 	f.StringVar(&o.nodeRegistry, "node-registry", "",
@@ -123,7 +126,7 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 		log.Info("set the pid limit", "limit", o.pidLimit, "file", path)
 	}
 	cfg := csi.Config{Name: o.driverName, Version: version, NodeID: o.nodeID, Controller: o.controller,
-		Node: o.node, ClustersConfig: o.clustersConfig, StateDir: g.stateDir, Log: log, Limits: o.limits,
+		Node: o.node, ClustersConfig: o.clustersConfig, KMSConfig: o.kmsConfig, StateDir: g.stateDir, Log: log, Limits: o.limits,
 		SweepInterval: o.sweepInterval, FlattenProgress: o.flattenProgress,
 		ControllerSecretDir: o.controllerSecretDir}
 	if o.nodeRegistry != "" && o.node {
@@ -138,9 +141,9 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 		}
 		cfg.Nodes = nodes
 	}
-	if o.controller {
-		cfg.Images = rbdio.NewClusters()
-	}
+	// The node reads an encrypted volume's sealed key from its image's
+	// metadata; it opens a cluster connection only for those.
+	cfg.Images = rbdio.NewClusters()
 	if o.node {
 		c := g.client(0, 0)
 		// Start the daemon now, not on the first request: after a
