@@ -59,12 +59,16 @@ work=$(mktemp -d /tmp/rbd-nbd-go-vm.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/initrd/bin" "$work/initrd/mods" "$work/initrd/proc" "$work/initrd/sys" "$work/initrd/dev" "$work/out"
 
-# Modules for 9p, overlay, loop, ext4 and xfs, in dependency order. nbd is
-# deliberately not loaded: rbd-nbd-go loads it itself (pmorjan/kmod).
+# Modules for 9p, overlay, loop, ext4 and xfs, in dependency order, and
+# dm-crypt with aes-xts (ceph-csi's encryption: cryptsetup on a mapped
+# device, for the migration test and the bench; aesni fails to load on a
+# CPU without AES-NI, and the generic AES serves). nbd is deliberately not
+# loaded: rbd-nbd-go loads it itself (pmorjan/kmod).
 mods="virtio/virtio_ring virtio/virtio_pci_modern_dev virtio/virtio_pci_legacy_dev virtio/virtio
 virtio/virtio_pci char/hw_random/virtio-rng net/9p/9pnet net/9p/9pnet_virtio fs/netfs/netfs fs/fscache/fscache fs/9p/9p
 fs/overlayfs/overlay drivers/block/loop arch/x86/crypto/crc32c-intel crypto/crc32c_generic
-lib/libcrc32c fs/jbd2/jbd2 fs/mbcache lib/crc16 fs/ext4/ext4 fs/xfs/xfs"
+lib/libcrc32c fs/jbd2/jbd2 fs/mbcache lib/crc16 fs/ext4/ext4 fs/xfs/xfs
+md/dm-mod md/dm-crypt crypto/xts crypto/cryptd crypto/crypto_simd arch/x86/crypto/aesni-intel"
 : > "$work/initrd/modules"
 for m in $mods; do
 	f=$(ls "$moddir"/*/$m.ko "$moddir"/$m.ko 2>/dev/null | head -1 || true)
