@@ -252,6 +252,13 @@ func (d *Driver) stageKey(o ceph.Options, vol volume, volCtx, secrets map[string
 			d.log.Warn("record the salt of a migrated volume's key", "volume", vol.ID(), "err", err)
 		}
 	}
+	if _, ours := info.Meta[metaKMSID]; !ours && dev.BlockSize == 0 {
+		// ceph-csi formatted it through a 512-byte-sector device
+		// (rbd-nbd's and krbd's), and so did mkfs: an ext4 under
+		// 512 MiB has 1 KiB blocks, an xfs 512-byte sectors, and
+		// neither mounts on a 4 KiB-sector device.
+		dev.BlockSize = 512
+	}
 	// "luks": LUKS2 as we and ceph-csi format, LUKS1 as older tools did.
 	dev.Encryption = ceph.Encryption{Format: "luks", Passphrase: string(pass)}
 	return nil

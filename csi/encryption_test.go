@@ -189,3 +189,38 @@ func TestEncryptedRestoreKeepsSourceKey(t *testing.T) {
 		Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: p.VolumeId}}})
 	wantCode(t, "encrypted clone of a plain volume", err, codes.InvalidArgument, "not encrypted")
 }
+
+// A volume ceph-csi encrypted (its metadata, none of ours) stages as a
+// static volume with the Secret's passphrase (default KMS), mapped with
+// 512-byte sectors as ceph-csi's devices had.
+func TestCephCSIEncryptedStaticVolume(t *testing.T) {
+	r := encRig(t)
+	spec := ceph.ImageSpec{Pool: "rbd", Image: "csi-vol-from-ceph-csi"}
+	if err := r.images.CreateImage(fakeOpts, spec, ceph.NewImage{Size: 64 << 20,
+		Meta: map[string]string{metaEncrypted: stateEncrypted}}); err != nil {
+		t.Fatal(err)
+	}
+	v := &csi.Volume{VolumeId: volume{ClusterID: "c1", Spec: spec}.ID(),
+		VolumeContext: map[string]string{"clusterID": "c1", "encrypted": "true"}}
+	staging := filepath.Join(r.dir, "staging")
+	os.Mkdir(staging, 0o750)
+	req := r.stageReq(v, staging, mountCap("ext4", rwo))
+	req.Secrets = encSecrets("their-passphrase")
+	if _, err := r.d.NodeStageVolume(context.Background(), req); err != nil {
+		t.Fatal(err)
+	}
+	if m := r.att.maps[0]; m.Encryption.Passphrase != "their-passphrase" || m.BlockSize != 512 {
+		t.Fatalf("mapped with %q, block size %d", m.Encryption.Passphrase, m.BlockSize)
+	}
+	// Set encrypted in the context of a plain image: refused, untouched.
+	plain := ceph.ImageSpec{Pool: "rbd", Image: "plain"}
+	r.images.CreateImage(fakeOpts, plain, ceph.NewImage{Size: 64 << 20})
+	pv := &csi.Volume{VolumeId: volume{ClusterID: "c1", Spec: plain}.ID(),
+		VolumeContext: map[string]string{"clusterID": "c1", "encrypted": "true"}}
+	s2 := filepath.Join(r.dir, "staging2")
+	os.Mkdir(s2, 0o750)
+	req = r.stageReq(pv, s2, mountCap("ext4", rwo))
+	req.Secrets = encSecrets("x")
+	_, err := r.d.NodeStageVolume(context.Background(), req)
+	wantCode(t, "encrypted context, plain image", err, codes.FailedPrecondition, "no rbd.csi.ceph.com/encrypted")
+}

@@ -29,7 +29,7 @@ scenario_go() {
 		sed 's/^/e2e:   /'
 	local tst
 	for tst in TestSanity TestVolumeLifecycle TestRetainAndStaticVolume TestOnlineExpand TestRestartSurvival TestBadInput TestStageTimeVsCephCSI \
-		TestSnapshotRestoreCloneMounted TestSnapshotTimeVsCephCSI TestQoSLiveModify; do
+		TestSnapshotRestoreCloneMounted TestSnapshotTimeVsCephCSI TestQoSLiveModify TestEncryptedVolume TestCephCSIEncryptedVolumeOpens; do
 		check "$tst" grep -q "^--- PASS: $tst " "$out"
 	done
 	check "the conformance binary exited 0" test $rc -eq 0

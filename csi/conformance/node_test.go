@@ -35,8 +35,12 @@ type volumeRig struct {
 
 func newVolumeRig(t *testing.T) *volumeRig {
 	needNode(t)
-	dir := t.TempDir()
-	p := startPlugin(t, dir)
+	return newVolumeRigIn(t, t.TempDir())
+}
+
+// newVolumeRigIn starts the plugin in dir with extra arguments.
+func newVolumeRigIn(t *testing.T, dir string, extra ...string) *volumeRig {
+	p := startPlugin(t, dir, extra...)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	t.Cleanup(cancel)
 	return &volumeRig{t: t, p: p, cc: csi.NewControllerClient(p.conn), nc: csi.NewNodeClient(p.conn), ctx: ctx,
