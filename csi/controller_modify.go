@@ -55,7 +55,7 @@ func (d *Driver) ControllerModifyVolume(ctx context.Context, req *csi.Controller
 	if err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
-	if err := d.writeQoS(o, vol, info.Meta, q, info.Size); err != nil {
+	if err := d.writeQoS(o, vol, info.Meta, q, usableBytes(info.Size, info.Meta)); err != nil {
 		return nil, err
 	}
 	return &csi.ControllerModifyVolumeResponse{}, nil
