@@ -1,0 +1,233 @@
+package attach
+
+import (
+	"errors"
+	"fmt"
+	"syscall"
+	"time"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
+	"github.com/rbd-nbd-go/rbd-nbd-go/control"
+	"github.com/rbd-nbd-go/rbd-nbd-go/devspec"
+	"github.com/rbd-nbd-go/rbd-nbd-go/kernel"
+)
+
+// Reattach: serving a device the kernel still has again (after Detach, a
+// restart of this process, or a dead connection), and Restore after a
+// restart.
+
+// Detach stops serving a device but leaves it in the kernel, waiting up
+// to its reattach timeout for Attach.
+func (m *Manager) Detach(target string) error {
+	d, err := m.lockTarget(target)
+	if err != nil {
+		return err
+	}
+	defer d.mu.Unlock()
+	err = d.stopServing()
+	m.mu.Lock()
+	d.rec.Detached = true
+	rec := d.rec
+	m.mu.Unlock()
+	return errors.Join(err, m.cfg.Store.Save(rec))
+}
+
+// Attach serves an existing kernel device again (after Detach, or after
+// this process restarted): new sockets replace the dead ones through
+// RECONFIGURE, which the kernel only accepts with the device's cookie.
+// Attaching a device that is already served with the same spec and
+// cookie is a no-op. As for Map, rec has been validated by the caller:
+// the control server, or Restore.
+func (m *Manager) Attach(rec control.Record) (control.Record, error) {
+	rec.Defaults()
+	if rec.Index < 0 {
+		return control.Record{}, errors.New("attach needs --device")
+	}
+	if d := m.get(rec.Index); d != nil {
+		d.mu.Lock()
+		cur := d.rec
+		live := d.s != nil
+		d.mu.Unlock()
+		if !sameSpec(cur.Spec, rec.Spec) || (rec.Cookie != "" && cur.Cookie != rec.Cookie) {
+			return control.Record{}, fmt.Errorf("%s is mapped to %s (cookie %s)", cur.Device(), cur.Spec, cur.Cookie)
+		}
+		if live {
+			return cur, nil
+		}
+		// Reattach a detached device with its recorded options; the
+		// caller's credentials win (they may be fresher).
+		rec = mergeAttach(cur, rec)
+		m.drop(rec.Index)
+	}
+	st, err := m.cfg.Kernel.Status(rec.Index)
+	if err != nil {
+		return control.Record{}, fmt.Errorf("%s: %w", rec.Device(), err)
+	}
+	if !st.Connected {
+		return control.Record{}, fmt.Errorf("%s is not connected in the kernel (use map)", rec.Device())
+	}
+	rec.Detached = false
+	if rec, err = m.withPassphrase(rec); err != nil {
+		return control.Record{}, err
+	}
+	d := &device{rec: rec}
+	s, err := newServed(rec, m.backendOptions(d), m.shared, m.log)
+	if err != nil {
+		return control.Record{}, err
+	}
+	m.watchIdle(d, s)
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if err := m.reattach(&d.rec, s); err != nil {
+		s.stop(5 * time.Second)
+		return control.Record{}, err
+	}
+	if d.rec, err = m.keepPassphrase(d.rec); err != nil {
+		s.stop(5 * time.Second)
+		return control.Record{}, err
+	}
+	rec = d.rec
+	d.s = s
+	m.mu.Lock()
+	m.devs[rec.Index] = d
+	m.mu.Unlock()
+	if err := m.cfg.Store.Save(d.rec); err != nil {
+		m.log.Error("attached, but the state was not saved", "device", rec.Device(), "err", err)
+	}
+	m.tuneQueue(rec)
+	m.log.Info("attached", "device", rec.Device(), "spec", rec.Spec, "connections", rec.Connections)
+	return d.rec, nil
+}
+
+func mergeAttach(cur, req control.Record) control.Record {
+	out := cur
+	if req.Ceph != (ceph.Options{}) {
+		out.Ceph = req.Ceph
+	}
+	if req.Encryption.Format != "" {
+		out.Encryption = req.Encryption
+	}
+	return out
+}
+
+// reattach hands the kernel one new socket per dead connection, however
+// many the device has (the caller may not know: ceph-csi's attach does
+// not say). One RECONFIGURE per socket, because the kernel replaces dead
+// sockets one at a time and stops at the first failure; a socket it did
+// not take means no dead socket is left — or, for the first one, that
+// the kernel has not yet noticed the old server is gone, so that one is
+// retried.
+func (m *Manager) reattach(rec *control.Record, s *served) error {
+	deadline := time.Now().Add(m.cfg.ReattachWait)
+	attached := 0
+	for attached < control.MaxConnections {
+		rc := kernel.Reconfig{BackendID: rec.Cookie, DeadConnTimeout: rec.ReattachTimeout}
+		if attached == 0 {
+			rc.Size, rc.BlockSize = s.opened.Backend.Size(), rec.BlockSize
+		}
+		err := m.addSocket(rec.Index, rc, s)
+		switch {
+		case err == nil:
+			attached++
+			continue
+		case !errors.Is(err, syscall.ENOSPC):
+			return err
+		case attached > 0:
+			rec.Connections = attached
+			return nil
+		case time.Now().After(deadline):
+			return err
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	rec.Connections = attached
+	return nil
+}
+
+// errNoDeadConnection: RECONFIGURE found no dead connection to replace.
+var errNoDeadConnection = fmt.Errorf("no dead connection to replace: %w", syscall.ENOSPC)
+
+// addSocket gives a connected device one more connection through
+// RECONFIGURE (it replaces a dead one) and serves our end.
+//
+// The kernel's answer cannot say whether it took the socket: with no dead
+// connection to replace it drops the socket and still reports success
+// (nbd_genl_reconfigure turns that ENOSPC into 0). So once our copy of
+// the kernel's end is closed, a hung-up peer means the kernel kept none.
+func (m *Manager) addSocket(index int, rc kernel.Reconfig, s *served) error {
+	kEnds, ours, err := socketpairs(1)
+	if err != nil {
+		return err
+	}
+	err = m.cfg.Kernel.Reconfigure(index, rc, kEnds)
+	closeAll(kEnds)
+	if err == nil && peerGone(ours[0]) {
+		err = errNoDeadConnection
+	}
+	if err != nil {
+		closeAll(ours)
+		return err
+	}
+	return s.serve(ours, m.log)
+}
+
+// ReplaceDead gives a served device a fresh connection after the kernel
+// declared one dead (LINK_DEAD: a request timed out, or the socket
+// failed), so the device keeps all its connections.
+func (m *Manager) ReplaceDead(index int) {
+	d := m.get(index)
+	if d == nil {
+		return
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.s == nil {
+		return
+	}
+	err := m.addSocket(index, kernel.Reconfig{BackendID: d.rec.Cookie}, d.s)
+	m.log.Info("replaced a dead connection", "device", d.rec.Device(), "err", err)
+}
+
+// Restore takes back every device in the store that the kernel still
+// has, after a restart. Devices the kernel lost are forgotten.
+//
+// The records bypass the control server and are not validated again
+// here: each was validated by the control server when its map or attach
+// came in, before the manager saved it, and only the daemon writes the
+// store (root-only, under /run). Attach fills in the defaults, as for
+// any request. A check here would leave a device whose record an older
+// version wrote, and today's rules refuse, in the kernel but unserved.
+func (m *Manager) Restore() error {
+	recs, err := m.cfg.Store.Load()
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, rec := range recs {
+		if rec.Detached {
+			m.mu.Lock()
+			m.devs[rec.Index] = &device{rec: rec}
+			m.mu.Unlock()
+			continue
+		}
+		if sp, _ := devspec.Parse(rec.Spec); sp.Kind == "mem" {
+			// Its data died with the old process: serving an empty
+			// disk in its place would be silent corruption.
+			m.log.Warn("disconnecting a memory device lost with the previous process", "device", rec.Device())
+			m.cfg.Kernel.Disconnect(rec.Index)
+			m.cfg.Store.Remove(rec.Index)
+			continue
+		}
+		st, err := m.cfg.Kernel.Status(rec.Index)
+		if err != nil || !st.Connected {
+			m.log.Warn("forgetting a device the kernel no longer has", "device", rec.Device(), "spec", rec.Spec)
+			m.cfg.Store.Remove(rec.Index)
+			m.dropPassphrase(rec)
+			continue
+		}
+		if _, err := m.Attach(rec); err != nil {
+			errs = append(errs, fmt.Errorf("reattach %s: %w", rec.Device(), err))
+		}
+	}
+	return errors.Join(errs...)
+}
