@@ -41,7 +41,7 @@ func (m *Manager) Detach(target string) error {
 func (m *Manager) Attach(rec control.Record) (control.Record, error) {
 	rec.Defaults()
 	if rec.Index < 0 {
-		return control.Record{}, errors.New("attach needs --device")
+		return control.Record{}, errors.New("attach needs a device index")
 	}
 	if d := m.get(rec.Index); d != nil {
 		d.mu.Lock()

@@ -1,12 +1,13 @@
 package rbdio
 
-// The cgo boundary: the only C in the project. Each data-path operation is
-// one C call (create a completion for a slot, start the aio); a small C
-// callback sends the request's success reply when the NBD layer offered
-// it (nbd.Request.DirectReply), queues the finished slot, and signals an
-// eventfd when Go is needed; the reaper (or the server, through Reap)
-// drains them in batches, one C call per batch. No Go code ever runs on
-// a librbd thread.
+// The data path's cgo boundary. rbdio is the only package with C; its
+// other cgo files hold management, memory, quiesce and encryption calls.
+// Each data-path operation is one C call (create a completion for a slot,
+// start the aio); a small C callback sends the request's success reply
+// when the NBD layer offered it (nbd.Request.DirectReply), queues the
+// finished slot, and signals an eventfd when Go is needed; the reaper (or
+// the server, through Reap) drains them in batches, one C call per batch.
+// No Go code ever runs on a librbd thread.
 //
 // librbd allocates with jemalloc, not glibc (memory.go).
 
