@@ -5,7 +5,7 @@
 // clusters config.json, StorageClass parameters and Secret keys. The
 // controller manages images through rbdio (behind the Images interface);
 // the node service maps through the node daemon's control API (behind
-// the Attacher interface) and formats and mounts with k8s.io/mount-utils.
+// the NodeDaemon interface) and formats and mounts with k8s.io/mount-utils.
 // Neither links librbd here: cmd/ wires the real implementations, and
 // unit tests use fakes.
 //

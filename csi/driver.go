@@ -66,9 +66,9 @@ type Journals interface {
 	UpdateJournal(o ceph.Options, pool ceph.ImageSpec, oid string, set map[string]string, rm []string) error
 }
 
-// Attacher is the node service's way to the node daemon
+// NodeDaemon is the node service's client of the node daemon
 // (control.Client).
-type Attacher interface {
+type NodeDaemon interface {
 	Map(ctx context.Context, rec control.Record) (control.Record, error)
 	UnmapCookie(ctx context.Context, target, cookie string) error
 	List(ctx context.Context) (control.Listing, error)
@@ -96,8 +96,8 @@ type Config struct {
 
 	// Images is the controller's way to images, and the node's to an
 	// encrypted volume's key (which lives in image metadata).
-	Images   Images
-	Attacher Attacher // node
+	Images Images
+	Daemon NodeDaemon // node
 	// KMSConfig is ceph-csi's KMS config file (DefaultKMSConfig if
 	// empty): what a StorageClass's encryptionKMSID names.
 	KMSConfig string
@@ -178,7 +178,7 @@ func New(cfg Config) (*Driver, error) {
 		if cfg.NodeID == "" {
 			return nil, errors.New("the node service needs a node ID (--nodeid)")
 		}
-		if cfg.Attacher == nil || cfg.Mounter == nil {
+		if cfg.Daemon == nil || cfg.Mounter == nil {
 			return nil, errors.New("the node service needs the daemon and a mounter")
 		}
 		if cfg.StateDir == "" {

@@ -159,9 +159,9 @@ func (f *fakeImages) setWatchers(spec string, n int) {
 	f.images[spec] = i
 }
 
-// fakeAttacher is the node daemon: devices by index, each a file under
+// fakeDaemon is the node daemon: devices by index, each a file under
 // dev standing in for /dev/nbdN.
-type fakeAttacher struct {
+type fakeDaemon struct {
 	mu      sync.Mutex
 	devs    map[int]control.Record
 	mapErr  error
@@ -172,7 +172,7 @@ type fakeAttacher struct {
 	maps    []control.Record
 }
 
-func (a *fakeAttacher) Map(ctx context.Context, rec control.Record) (control.Record, error) {
+func (a *fakeDaemon) Map(ctx context.Context, rec control.Record) (control.Record, error) {
 	if a.blockOn != nil {
 		if a.inMap != nil {
 			close(a.inMap)
@@ -200,7 +200,7 @@ func (a *fakeAttacher) Map(ctx context.Context, rec control.Record) (control.Rec
 	return rec.Public(), nil
 }
 
-func (a *fakeAttacher) UnmapCookie(ctx context.Context, target, cookie string) error {
+func (a *fakeDaemon) UnmapCookie(ctx context.Context, target, cookie string) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	for i, r := range a.devs {
@@ -215,7 +215,7 @@ func (a *fakeAttacher) UnmapCookie(ctx context.Context, target, cookie string) e
 	return control.ErrNotMapped
 }
 
-func (a *fakeAttacher) List(ctx context.Context) (control.Listing, error) {
+func (a *fakeDaemon) List(ctx context.Context) (control.Listing, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	var l control.Listing
@@ -225,7 +225,7 @@ func (a *fakeAttacher) List(ctx context.Context) (control.Listing, error) {
 	return l, nil
 }
 
-func (a *fakeAttacher) Status(ctx context.Context, target string, usage bool) (control.Status, error) {
+func (a *fakeDaemon) Status(ctx context.Context, target string, usage bool) (control.Status, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	for _, r := range a.devs {
@@ -238,9 +238,9 @@ func (a *fakeAttacher) Status(ctx context.Context, target string, usage bool) (c
 	return control.Status{}, control.ErrNotMapped
 }
 
-func (a *fakeAttacher) Ping(ctx context.Context) error { return nil }
+func (a *fakeDaemon) Ping(ctx context.Context) error { return nil }
 
-func (a *fakeAttacher) mapped() int {
+func (a *fakeDaemon) mapped() int {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	return len(a.devs)
@@ -326,7 +326,7 @@ func (e *scriptExec) ran(prefix string) [][]string {
 type rig struct {
 	d       *Driver
 	images  *fakeImages
-	att     *fakeAttacher
+	att     *fakeDaemon
 	mounter *fakeMounter
 	exec    *scriptExec
 	dir     string
@@ -345,7 +345,7 @@ func newRigWith(t *testing.T, change func(*Config)) *rig {
 	os.WriteFile(conf, []byte(`[{"clusterID":"c1","monitors":["127.0.0.1:6789"]},
 		{"clusterID":"ns","monitors":["127.0.0.1:6789"],"rbd":{"radosNamespace":"tenant"}},
 		{"clusterID":"nomons","monitors":[]}]`), 0o600)
-	r := &rig{images: newFakeImages(), att: &fakeAttacher{devs: map[int]control.Record{}},
+	r := &rig{images: newFakeImages(), att: &fakeDaemon{devs: map[int]control.Record{}},
 		mounter: &fakeMounter{FakeMounter: mount.NewFakeMounter(nil)},
 		exec:    &scriptExec{formats: map[string]string{}}, dir: dir, logs: &bytes.Buffer{}}
 	sys := filepath.Join(dir, "sys")
@@ -354,7 +354,7 @@ func newRigWith(t *testing.T, change func(*Config)) *rig {
 		os.WriteFile(filepath.Join(sys, fmt.Sprintf("nbd%d", i), "size"), []byte("2097152\n"), 0o644)
 	}
 	cfg := Config{NodeID: "node-1", Controller: true, Node: true, ClustersConfig: conf,
-		StateDir: filepath.Join(dir, "state"), Images: r.images, Attacher: r.att,
+		StateDir: filepath.Join(dir, "state"), Images: r.images, Daemon: r.att,
 		Mounter: mount.NewSafeFormatAndMount(r.mounter, r.exec), Nodes: DirRegistry{filepath.Join(dir, "nodes")},
 		SysBlock: sys, DeviceWait: 1e9,
 		Log: slog.New(slog.NewTextHandler(r.logs, &slog.HandlerOptions{Level: slog.LevelDebug}))}

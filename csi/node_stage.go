@@ -131,7 +131,7 @@ func (tx *stageTx) run(ctx context.Context, dev control.Record, mkfsOptions stri
 	// completes in the daemon, and undo must find it (by cookie).
 	tx.mapped = true
 	if device == "" {
-		got, err := d.cfg.Attacher.Map(ctx, dev)
+		got, err := d.cfg.Daemon.Map(ctx, dev)
 		if err != nil {
 			// Missing image: NotFound; wrong key: PermissionDenied;
 			// lock held by another node: FailedPrecondition.
@@ -262,7 +262,7 @@ func (d *Driver) staged(ctx context.Context, rec stageRecord) (bool, error) {
 
 // deviceOf finds the device mapped for a volume (its cookie), or "".
 func (d *Driver) deviceOf(ctx context.Context, volID string) (string, error) {
-	ls, err := d.cfg.Attacher.List(ctx)
+	ls, err := d.cfg.Daemon.List(ctx)
 	if err != nil {
 		return "", status.Errorf(codes.Unavailable, "node daemon: %v", err)
 	}
@@ -280,7 +280,7 @@ func (d *Driver) unmapVolume(ctx context.Context, volID string) error {
 	if err != nil || dev == "" {
 		return err
 	}
-	err = d.cfg.Attacher.UnmapCookie(ctx, dev, volID)
+	err = d.cfg.Daemon.UnmapCookie(ctx, dev, volID)
 	if errors.Is(err, control.ErrNotMapped) {
 		return nil
 	}

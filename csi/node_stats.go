@@ -51,7 +51,7 @@ func (d *Driver) blockStats(ctx context.Context, id, path string) (*csi.NodeGetV
 	}
 	u := &csi.VolumeUsage{Unit: csi.VolumeUsage_BYTES, Total: int64(size)}
 	if dev, err := d.deviceOf(ctx, id); err == nil && dev != "" {
-		if st, err := d.cfg.Attacher.Status(ctx, dev, true); err == nil && st.Used != nil {
+		if st, err := d.cfg.Daemon.Status(ctx, dev, true); err == nil && st.Used != nil {
 			u.Used = int64(*st.Used)
 			u.Available = max(int64(size)-u.Used, 0)
 		}
@@ -91,7 +91,7 @@ func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolume
 		h.HealthStatuses = append(h.HealthStatuses, &csi.VolumeHealth_VolumeHealthEntry{
 			Status: csi.VolumeHealthErrorType_INACCESSIBLE, Reason: reason, Message: fmt.Sprintf(format, args...)})
 	}
-	st, err := d.cfg.Attacher.Status(ctx, rec.Device, false)
+	st, err := d.cfg.Daemon.Status(ctx, rec.Device, false)
 	switch {
 	case errors.Is(err, control.ErrNotMapped):
 		bad("DeviceLost", "the node daemon no longer serves %s", rec.Device)

@@ -156,7 +156,7 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 			log.Error("the node daemon is not running", "err", err)
 		}
 		cancel()
-		cfg.Attacher = c
+		cfg.Daemon = c
 		cfg.Mounter = mount.NewSafeFormatAndMount(mount.New(""), utilexec.New())
 	}
 	d, err := csi.New(cfg)
