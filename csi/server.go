@@ -17,10 +17,10 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
+	"github.com/rbd-nbd-go/rbd-nbd-go/internal/unixsock"
 )
 
-// Listen opens a CSI endpoint: unix:///path (nbd.ListenUnix: mode 0600,
+// Listen opens a CSI endpoint: unix:///path (unixsock.Listen: mode 0600,
 // a stale socket replaced) or tcp://host:port.
 func Listen(endpoint string) (net.Listener, error) {
 	u, err := url.Parse(endpoint)
@@ -41,7 +41,7 @@ func Listen(endpoint string) (net.Listener, error) {
 		}
 		// 0600 from the first moment; a dead plugin's socket replaced,
 		// a live one's refused.
-		return nbd.ListenUnix(path)
+		return unixsock.Listen(path)
 	case "tcp":
 		return net.Listen("tcp", u.Host)
 	}

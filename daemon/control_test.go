@@ -15,8 +15,8 @@ import (
 
 	"github.com/rbd-nbd-go/rbd-nbd-go/attach"
 	"github.com/rbd-nbd-go/rbd-nbd-go/control"
+	"github.com/rbd-nbd-go/rbd-nbd-go/internal/unixsock"
 	"github.com/rbd-nbd-go/rbd-nbd-go/kernel"
-	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
 )
 
 // fakeKernel takes devices and holds their sockets, as the kernel would,
@@ -84,7 +84,7 @@ func TestControlSocket(t *testing.T) {
 	m := attach.NewManager(attach.Config{Kernel: &fakeKernel{socks: map[int][]*os.File{}}, Store: store,
 		SysBlock: filepath.Join(dir, "sys"), Dev: filepath.Join(dir, "dev")})
 	defer m.Close()
-	l, err := nbd.ListenUnix(control.SocketPath(dir))
+	l, err := unixsock.Listen(control.SocketPath(dir))
 	if err != nil {
 		t.Fatal(err)
 	}

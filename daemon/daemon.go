@@ -22,8 +22,8 @@ import (
 	"github.com/rbd-nbd-go/rbd-nbd-go/attach"
 	"github.com/rbd-nbd-go/rbd-nbd-go/control"
 	"github.com/rbd-nbd-go/rbd-nbd-go/internal/sysmon"
+	"github.com/rbd-nbd-go/rbd-nbd-go/internal/unixsock"
 	"github.com/rbd-nbd-go/rbd-nbd-go/kernel"
-	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
 	"github.com/rbd-nbd-go/rbd-nbd-go/rbdio"
 )
 
@@ -118,7 +118,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	if err := m.Restore(); err != nil {
 		log.Error("some devices were not reattached", "err", err)
 	}
-	l, err := nbd.ListenUnix(control.SocketPath(cfg.StateDir))
+	l, err := unixsock.Listen(control.SocketPath(cfg.StateDir))
 	if err != nil {
 		m.Close()
 		return err

@@ -2,7 +2,7 @@
 // (NetworkBlockDevice/nbd doc/proto.md), in pure Go.
 //
 // A Server offers named Exports, each backed by one Backend shared by all
-// of its connections. Connections come from listeners (ListenUnix,
+// of its connections. Connections come from listeners (unixsock.Listen,
 // ListenTCP, socket activation) through Serve/ServeConn, which run the
 // fixed-newstyle handshake, or from the kernel through ServeNegotiated,
 // where the handshake happened out of band.

@@ -17,6 +17,7 @@ import (
 	"github.com/rbd-nbd-go/rbd-nbd-go/backend"
 	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
 	"github.com/rbd-nbd-go/rbd-nbd-go/internal/sysmon"
+	"github.com/rbd-nbd-go/rbd-nbd-go/internal/unixsock"
 	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
 	"github.com/rbd-nbd-go/rbd-nbd-go/rbdio"
 )
@@ -79,7 +80,7 @@ func logger(s string) *slog.Logger {
 func listen(o serveOpts) (net.Listener, string, error) {
 	switch {
 	case o.socket != "":
-		l, err := nbd.ListenUnix(o.socket)
+		l, err := unixsock.Listen(o.socket)
 		return l, "unix:" + o.socket, err
 	case o.listen != "":
 		l, err := nbd.ListenTCP(o.listen)

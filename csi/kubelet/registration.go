@@ -11,7 +11,7 @@ import (
 	"google.golang.org/grpc"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 
-	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
+	"github.com/rbd-nbd-go/rbd-nbd-go/internal/unixsock"
 )
 
 // DefaultRegistrationDir is where the kubelet's plugin watcher looks for
@@ -48,7 +48,7 @@ func (r *Registration) Serve(ctx context.Context, dir string) error {
 		return err
 	}
 	path := r.SocketPath(dir)
-	l, err := nbd.ListenUnix(path)
+	l, err := unixsock.Listen(path)
 	if err != nil {
 		return fmt.Errorf("registration socket: %w", err)
 	}
