@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"os"
 	"path/filepath"
 	"runtime/pprof"
@@ -78,40 +79,93 @@ func Run(ctx context.Context, cfg Config) (err error) {
 			ready.Close()
 		}
 	}()
-	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
-		return err
-	}
-	lock, err := os.OpenFile(filepath.Join(cfg.StateDir, "daemon.lock"), os.O_RDWR|os.O_CREATE, 0o600)
+	lock, err := lockState(cfg.StateDir)
 	if err != nil {
 		return err
 	}
-	defer lock.Close()
-	if err := unix.Flock(int(lock.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+	if lock == nil {
 		fmt.Fprintln(ready, control.ReadyRunning)
 		return nil
 	}
-	lock.Truncate(0)
-	lock.WriteString(strconv.Itoa(os.Getpid()) + "\n")
-	if cfg.CPUProfile != "" {
-		if f, err := os.Create(cfg.CPUProfile); err == nil {
-			pprof.StartCPUProfile(f)
-			defer func() { pprof.StopCPUProfile(); f.Close() }()
-		}
+	defer lock.Close()
+	if stop := startCPUProfile(cfg.CPUProfile); stop != nil {
+		defer stop()
 	}
 	protectFromReclaim(log)
 	sysmon.Setup(log)
-	ctl, err := kernel.Open(cfg.Module)
+	ctl, err := openKernel(cfg)
 	if err != nil {
 		return err
+	}
+	defer ctl.Close()
+	m, l, err := takeBack(cfg, ctl, log)
+	if err != nil {
+		return err
+	}
+	sched := startBackground(ctx, cfg, ctl, m, log)
+	log.Info("serving NBD devices", "pid", os.Getpid(), "kernel", ctl.Name(), "state", cfg.StateDir,
+		"devices", len(m.List()))
+	fmt.Fprintln(ready, control.ReadyOK)
+	ready.Close()
+	readied = true
+	serr := Serve(ctx, l, m, log, sched.serving)
+	log.Info("stopping; devices stay mapped for the next daemon")
+	return errors.Join(serr, m.Close())
+}
+
+// lockState takes the state directory's daemon lock, writing our pid in
+// it. A nil file and nil error: another daemon holds it.
+func lockState(dir string) (*os.File, error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, err
+	}
+	lock, err := os.OpenFile(filepath.Join(dir, "daemon.lock"), os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	if err := unix.Flock(int(lock.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		lock.Close()
+		return nil, nil
+	}
+	lock.Truncate(0)
+	lock.WriteString(strconv.Itoa(os.Getpid()) + "\n")
+	return lock, nil
+}
+
+// startCPUProfile profiles the whole run into path, if set; the returned
+// func stops it.
+func startCPUProfile(path string) func() {
+	if path == "" {
+		return nil
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return nil
+	}
+	pprof.StartCPUProfile(f)
+	return func() { pprof.StopCPUProfile(); f.Close() }
+}
+
+// openKernel opens the kernel's NBD interface: netlink, unless the
+// config asks for ioctl.
+func openKernel(cfg Config) (kernel.Controller, error) {
+	ctl, err := kernel.Open(cfg.Module)
+	if err != nil {
+		return nil, err
 	}
 	if cfg.KernelInterface == "ioctl" && ctl.Name() != "ioctl" {
 		ctl.Close()
 		ctl = kernel.NewIoctl()
 	}
-	defer ctl.Close()
+	return ctl, nil
+}
+
+// takeBack reattaches every device the state directory records, then
+// opens the control socket: a client that reaches it finds them served.
+func takeBack(cfg Config, ctl kernel.Controller, log *slog.Logger) (*attach.Manager, net.Listener, error) {
 	store, err := attach.OpenStore(cfg.StateDir)
 	if err != nil {
-		return err
+		return nil, nil, err
 	}
 	m := attach.NewManager(attach.Config{Kernel: ctl, Clusters: rbdio.NewClusters(), Store: store, Log: log,
 		MemoryBudget: cfg.MemoryBudget})
@@ -121,8 +175,15 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	l, err := unixsock.Listen(control.SocketPath(cfg.StateDir))
 	if err != nil {
 		m.Close()
-		return err
+		return nil, nil, err
 	}
+	return m, l, nil
+}
+
+// startBackground starts what runs beside the control socket: the
+// LINK_DEAD watch (netlink only), the scheduler's idle threads, and
+// giving memory back a few seconds after devices go away.
+func startBackground(ctx context.Context, cfg Config, ctl kernel.Controller, m *attach.Manager, log *slog.Logger) *procs {
 	if ctl.Name() == "netlink" {
 		go func() {
 			if err := kernel.WatchLinkDead(ctx, m.ReplaceDead); err != nil {
@@ -130,7 +191,6 @@ func Run(ctx context.Context, cfg Config) (err error) {
 			}
 		}()
 	}
-	// Memory back to the system a few seconds after devices go away.
 	devices := func() int { return len(m.List()) }
 	sched := newProcs(cfg.IdleProcs, devices)
 	sched.start()
@@ -139,14 +199,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		releaseMemory(sched, rbdio.ReleaseFreeMemory)
 		log.Info("memory given back", append(append([]any{"took", time.Since(t0).Round(time.Millisecond)}, goMemory()...), rbdio.CMemory()...)...)
 	})
-	log.Info("serving NBD devices", "pid", os.Getpid(), "kernel", ctl.Name(), "state", cfg.StateDir,
-		"devices", len(m.List()))
-	fmt.Fprintln(ready, control.ReadyOK)
-	ready.Close()
-	readied = true
-	serr := Serve(ctx, l, m, log, sched.serving)
-	log.Info("stopping; devices stay mapped for the next daemon")
-	return errors.Join(serr, m.Close())
+	return sched
 }
 
 type nopCloser struct{ io.Writer }
