@@ -160,9 +160,8 @@ func (p *procs) start() {
 // devices do I/O; their goroutines reuse those stacks). The runtime
 // keeps up to 63 ended goroutines on each P's free list, with their
 // stacks, for reuse, and a collection frees only the stacks on the
-// global list: with 8 Ps and the two goroutines of each of hundreds of
-// connections gone, the VM showed 2.5 MiB of goroutine stacks after the
-// last unmap with 6 goroutines alive. Shrinking GOMAXPROCS to one
+// global list, so megabytes of stacks outlived the last unmap. Shrinking
+// GOMAXPROCS to one
 // destroys every P but one, which hand their lists to the global one
 // (the runtime's procresize, one stop-the-world each way; the list of
 // the P left stays).
@@ -205,9 +204,7 @@ func giveBack(ctx context.Context, tick time.Duration, devices func() int, relea
 // keeps: sysmon and the template thread, which never run goroutines.
 // None for the next burst: the runtime makes a thread in tens of
 // microseconds, and an idle one keeps every stack page its busiest
-// moment touched. Threads that ran librbd's calls kept 200-430 KiB each
-// in the VM after 32 devices; with four spares, they were a quarter of
-// what the daemon held above its start-up size.
+// moment touched (hundreds of KiB after librbd's calls).
 const spareThreads = 2
 
 // endIdleThreads ends Go runtime threads until at most keep are left.

@@ -98,13 +98,10 @@ List options:
 // reaper blocked on librbd's eventfd. With no idle P, sysmon takes the P
 // of every syscall that lasts over 20 µs and wakes another thread to run
 // it; with one spare, a syscall keeps its P for up to 10 ms and simply
-// returns to it. Measured on the 2-CPU box at 4k random reads QD32
-// through librbd: 2 Ps → 8 Ps cut context switches per I/O by a quarter
-// and server CPU per I/O by 15% (IOPS +10-20%). Spare Ps cost nothing
-// while idle (but for collections, which wake a thread per idle P: the
-// daemon narrows back to the width returned here when it serves no
-// device). The width returned is the runtime's own choice, which counts
-// a cgroup CPU limit, or what GOMAXPROCS says.
+// returns to it (figures: bench/reference/vm/README.md). Spare Ps cost
+// nothing while idle but for collections, so the daemon narrows back to
+// the width returned here, the runtime's own choice (which counts a
+// cgroup CPU limit) or GOMAXPROCS, when it serves no device.
 func spareProcs() int {
 	n := runtime.GOMAXPROCS(0)
 	if os.Getenv("GOMAXPROCS") != "" {

@@ -1,41 +1,16 @@
-// Package sysmon gives the Go runtime's monitor thread a coarse timer, so
-// that it stops costing a context switch every few tens of microseconds.
+// Package sysmon gives the Go runtime's monitor thread a coarse timer
+// slack. An NBD server for librbd wakes from idle and makes system and cgo
+// calls on every request, so sysmon never backs off from its 20 µs rounds:
+// each a nanosleep and a context switch. Linux rounds a thread's timers up
+// by its slack; with 4 ms, sysmon does at most 250 rounds a second.
 //
-// sysmon is the runtime thread that, without a P, retakes Ps from long
-// system calls, preempts goroutines that ran for 10 ms and polls the
-// network when nobody has for 10 ms. It sleeps 20 µs between rounds
-// whenever it has just had work, and a system call (a cgo call too) made
-// while every P was idle counts as work. An NBD server for librbd is the
-// worst case: every request wakes the process from idle and makes system
-// calls and cgo calls, so sysmon never backs off. On the project's 2-CPU
-// box it did about 3,000 rounds a second at 4k QD32, each a nanosleep
-// and a context switch, 19 µs of CPU per I/O: a third of the Go side's.
-//
-// Linux rounds a thread's timer up by its timer slack. With 4 ms of slack
-// on sysmon, its rounds are at most 250 a second. What sysmon does
-// becomes up to 4 ms later: retaking the P of a long system call (the
-// daemon keeps spare Ps, so work never waits for one) and the 10 ms
-// preemption and network poll. A new thread inherits its creator's
-// slack, and sysmon sometimes starts the thread that takes over a P it
-// retook; so some Go threads (and librados threads they start) carry the
-// slack too, and their timed waits may end up to 4 ms late. Nothing on
-// the I/O path is timed: requests and completions wake threads through
-// sockets, eventfds and futex wake-ups, which slack does not delay, and
-// the timeouts that are (a reader's SO_RCVTIMEO runs on the timer wheel,
-// which slack does not touch; the rest are seconds, in Go and in Ceph)
-// do not notice a few milliseconds. That is also why MaxSlack bounds
-// what EnvSlack may ask.
-//
-// Measured, kernel NBD in the project's TCG VM at 4k QD32 (CPU of the
-// serving process per I/O against Ceph's rbd-nbd, medians over three
-// runs with rbd-nbd in each): no slack 1.25x (reads) and 1.26x (writes),
-// 1 ms 1.07x and 1.08x, 4 ms 1.11x and 1.07x. Rounds swing by 40 %
-// there, so whole-process CPU could not rank 1 and 4 ms. Sysmon's own
-// thread, counted per thread (perf stat --per-thread, 3 rounds each, same
-// binary; bench/reference/vm/2026-11-26-sysmon) can: with 1 ms it woke
-// 0.84-0.98 times per I/O and spent 77-99 µs of CPU per I/O (a TCG
-// round costs about 90 µs: a nanosleep, a context switch and HPET clock
-// reads), with 4 ms 0.27-0.40 times and 23-46 µs.
+// The cost: what sysmon does (retake the P of a long system call, the
+// 10 ms preemption and network poll) may come up to 4 ms later, and so may
+// the timed waits of threads that inherit the slack. Nothing on the I/O
+// path is timed (sockets, eventfds and futex wake-ups ignore slack), and
+// the timeouts that are take seconds; MaxSlack bounds what EnvSlack asks.
+// The measurements behind 4 ms: bench/reference/vm/README.md and
+// bench/reference/vm/2026-11-26-sysmon.
 package sysmon
 
 import (
