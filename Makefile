@@ -79,10 +79,13 @@ bench: deps build
 	$(GO) run ./bench/runner -suite rbd -bin $(BIN) -out bench/results/rbd
 
 # rbd-nbd-go vs Ceph's rbd-nbd on /dev/nbdX inside the VM (ratios only:
-# the VM runs under TCG). Results in bench/results/vm.
+# the VM runs under TCG), plain and encrypted (librbd's LUKS2 in our
+# daemon vs ceph-csi's dm-crypt over rbd-nbd, 4k jobs). 10G: the three
+# filled 1G images live in the memstore OSD, at about twice their size
+# (6G: the OSD was OOM-killed filling the third). Results in bench/results/vm.
 bench-vm: deps build
 	mkdir -p bench/results/vm
-	scripts/vm/vm.sh --timeout 3000 --share $(CURDIR)/bench/results/vm -- e2e/bench.sh $(CURDIR)/bench/results/vm
+	scripts/vm/vm.sh --mem 10G --timeout 3000 --share $(CURDIR)/bench/results/vm -- e2e/bench.sh $(CURDIR)/bench/results/vm
 	$(MAKE) --no-print-directory bench-vm-scale
 
 # Node scale inside the VM: 8 and 32 images mapped at once, rbd-nbd-go

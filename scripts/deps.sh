@@ -19,6 +19,7 @@ pkgs=(
   qemu-system-x86 busybox-static # the kernel-NBD VM rig (scripts/vm)
   e2fsprogs xfsprogs util-linux  # mkfs, blockdev, fsfreeze in the VM scenarios
   rbd-nbd                        # Ceph's own rbd-nbd: the VM bench's peer
+  cryptsetup-bin                 # ceph-csi's encryption in the VM: LUKS2 + dm-crypt (bench, migration)
   ca-certificates
   etcd-server containerd runc containernetworking-plugins # e2e-k8s: a cluster in the VM
   openssl                        # e2e-k8s: the cluster's certificates
