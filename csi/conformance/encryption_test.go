@@ -238,7 +238,7 @@ func sealLikeCephCSI(t *testing.T, kek, volID, pass string) string {
 
 // cephCSIVolume makes an image the way ceph-csi's node plugin encrypts
 // one: mapped (Ceph's rbd-nbd), cryptsetup luksFormat --type luks2
-// --hash sha256 on the device, opened with dm-crypt, ext4 on that, a
+// --hash sha256 --pbkdf-memory 32768 on the device, opened with dm-crypt, ext4 on that, a
 // file written; then closed and unmapped.
 func cephCSIVolume(t *testing.T, image, pass string, content []byte) {
 	run(t, "rbd", "create", "--size", "128M", "--image-feature", "layering,exclusive-lock,object-map,fast-diff,deep-flatten", "rbd/"+image)
@@ -252,11 +252,10 @@ func cephCSIVolume(t *testing.T, image, pass string, content []byte) {
 			t.Fatalf("cryptsetup %v: %v\n%s", args, err, out)
 		}
 	}
-	// ceph-csi's command line, and a shorter key-derivation time than
-	// cryptsetup's 2 s (still argon2id) so a TCG VM opens it in time.
-	crypt(pass, "-q", "luksFormat", "--type", "luks2", "--hash", "sha256", "--iter-time", "300", dev, "-d", "-")
+	// ceph-csi's command lines (internal/util/cryptsetup.go).
+	crypt(pass, "-q", "luksFormat", "--type", "luks2", "--hash", "sha256", "--pbkdf-memory", "32768", dev, "-d", "-")
 	name := "luks-rbd-" + image
-	crypt(pass, "luksOpen", dev, name, "-d", "-")
+	crypt(pass, "luksOpen", dev, name, "--disable-keyring", "-d", "-")
 	defer crypt("", "luksClose", name)
 	run(t, "mkfs.ext4", "-q", "/dev/mapper/"+name)
 	mnt := t.TempDir()
