@@ -54,7 +54,8 @@ e2e-csi: deps build bin/csi-conformance.test
 # module proxy by e2e/k8s/build-tools.sh and cached outside the checkout)
 # inside the VM, deployed from deploy/kubernetes: provisioning, Retain,
 # raw block, online expansion, snapshots, restores and clones, node-plugin
-# restart under I/O, bad input.
+# restart under I/O, bad input, an encrypted PVC's life, and a QoS class
+# changed under fio (e2e/k8s.sh names each scenario and prints its time).
 e2e-k8s: deps build
 	e2e/k8s/images.sh bin/k8s-images
 	mkdir -p bin/e2e-k8s

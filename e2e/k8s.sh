@@ -4,7 +4,7 @@
 # the ConfigMap's monitors and the Secret's key are this cluster's), the
 # example StorageClasses, and app pods using busybox and fio.
 #
-#   e2e/k8s.sh IMAGES_DIR [a b c d e f g]     (default: all)
+#   e2e/k8s.sh IMAGES_DIR [a b c d e f g h i]     (default: all)
 #
 # a  dynamic provisioning, ext4 and xfs: Pending -> Bound, write, new pod
 #    reads back, PVC deleted -> PV and image gone
@@ -19,6 +19,13 @@
 #    killed, while fio verifies: zero errors, fs still read-write
 # g  bad input: unknown clusterID, wrong key (provisioning and staging):
 #    a clear event, nothing left behind
+# h  an encrypted PVC's life (the example encrypted StorageClass, its
+#    passphrase from a file): write, a new pod reads, online expansion, a
+#    snapshot restored; rbd export holds LUKS2 and no plaintext; pool
+#    clean after; the passphrase in no log
+# i  QoS changed live: fio on a PVC of class i-slow (the example silver at
+#    50 write IOPS), the PVC moved to i-fast (gold at 120) while fio runs;
+#    each rate within 15 % of its limit, same device, no remap
 . "$(dirname "$0")/lib.sh"
 . "$(dirname "$0")/k8s/cluster.sh"
 
@@ -292,7 +299,7 @@ metadata: {name: $1}
 spec: {volumeSnapshotClassName: rbd-nbd-go-snapclass, source: {persistentVolumeClaimName: $2}}
 EOF
 }
-pvc_from() { # pvc_from NAME SIZE KIND SOURCE: a PVC from a VolumeSnapshot or a PVC
+pvc_from() { # pvc_from NAME SIZE KIND SOURCE [CLASS]: a PVC from a VolumeSnapshot or a PVC
 	local ds="{name: $4, kind: PersistentVolumeClaim}"
 	[ "$3" = snapshot ] && ds="{name: $4, kind: VolumeSnapshot, apiGroup: snapshot.storage.k8s.io}"
 	kubectl apply -f - >/dev/null <<EOF
@@ -301,7 +308,7 @@ kind: PersistentVolumeClaim
 metadata: {name: $1}
 spec:
   accessModes: [ReadWriteOnce]
-  storageClassName: rbd-nbd-go-ext4
+  storageClassName: ${5:-rbd-nbd-go-ext4}
   resources: {requests: {storage: $2}}
   dataSource: $ds
 EOF
@@ -437,7 +444,149 @@ scenario_g() {
 	check "... no nbd device in use" no_nbd_in_use
 }
 
-[ $# -gt 0 ] || set -- a b c d e f g
+# --- h: an encrypted PVC's life
+luks_scan() { # luks_scan IMAGE [MARKER]: rbd export of IMAGE starts with LUKS's magic; with MARKER, no byte of it holds MARKER
+	rbd export --no-progress "rbd/$1" - 2>"$work/export.err" | python3 -c '
+import sys
+f, m = sys.stdin.buffer, sys.argv[1].encode()
+head = f.read(6)
+n, hits, tail = len(head), 0, head
+while m:
+    b = f.read(1 << 20)
+    if not b:
+        break
+    n += len(b)
+    buf = tail + b
+    hits += buf.count(m)  # a tail shorter than m holds no whole m: no double count
+    tail = buf[-(len(m) - 1):]
+print("header=%r bytes_read=%d plaintext_hits=%d" % (head, n, hits))
+sys.exit(head != b"LUKS\xba\xbe" or hits != 0)' "${2:-}" >"$work/why"
+	# A full read must end well; a header check closes the pipe early.
+	local rc=("${PIPESTATUS[@]}")
+	[ "${rc[1]}" -eq 0 ] && { [ -z "${2:-}" ] || [ "${rc[0]}" -eq 0 ] || { cat "$work/export.err" >>"$work/why"; false; }; }
+}
+scenario_h() {
+	local pass=$work/passphrase marker pv img rimg
+	# The passphrase lives in files only: kubectl reads one, grep -f the
+	# other. Never in an argv, here either.
+	printf 'e2e-%s' "$(head -c 24 /dev/urandom | base64 | tr -d '/+=')" >"$pass"
+	{ cat "$pass"; echo; base64 -w0 "$pass"; echo; } >"$work/passphrase.grep"
+	marker=plaintext-$(head -c 8 /dev/urandom | od -An -tx1 | tr -d ' \n')
+	check "a Secret whose encryptionPassphrase comes from a file" eval 'kubectl -n $NS create secret generic csi-rbd-encryption-secret \
+		--from-file=userID="$work/userID" --from-file=userKey="$work/admin.key" --from-file=encryptionPassphrase="$pass" >/dev/null'
+	check "the example encrypted StorageClass" eval 'kubectl apply -f "$root/deploy/kubernetes/examples/storageclass-encrypted.yaml" >/dev/null'
+	pvc h 512Mi rbd-nbd-go-encrypted
+	check "encrypted PVC Bound" wait_jp 300 pvc h '{.status.phase}' '^Bound$'
+	pv=$(jp pvc h '{.spec.volumeName}')
+	img=$(pv_image "$pv")
+	pod h-w h "yes $marker | head -c 4194304 >/data/marker && md5sum /data/marker >/data/marker.md5 && sync && grep ' /data ' /proc/mounts >/dev/termination-log"
+	check "a pod writes a 4 MiB marker file" pod_done 300 h-w
+	check "... on ext4, read-write" grep -q " ext4 rw" "$work/msg"
+	kubectl delete pod h-w --wait=true >/dev/null
+	# A new pod reads it, then stays while the PVC grows under it.
+	pod h-r h 'md5sum -c /data/marker.md5 >/dev/null && echo "marker read back" || exit 1
+		before=$(df -k /data | awk "NR==2 {print \$2}"); s=$before; i=0
+		while [ $i -lt 300 ] && [ $s -lt 900000 ]; do sleep 1; s=$(df -k /data | awk "NR==2 {print \$2}"); i=$((i + 1)); done
+		echo "before_kb=$before after_kb=$s" >/dev/termination-log
+		[ $s -ge 900000 ]'
+	check "a new pod reads the marker back" eval "k8s_wait 300 'h-r read' eval 'grep -qs \"marker read back\" /var/log/pods/default_h-r_*/app/*.log' || { echo \"h-r: \$(jp pod h-r '{.status.phase}')\" >$work/why; false; }"
+	check "the daemon keeps the mapped volume's key in the kernel keyring" grep -q ' rbd-nbd-go:nbd' /proc/keys
+	check "rbd export of the image: LUKS2 from offset 0, no plaintext in it" luks_scan "$img" "$marker"
+	log "    export: $(cat "$work/why")"
+	check "the PVC is grown to 1Gi, online" eval "kubectl patch pvc h -p '{\"spec\":{\"resources\":{\"requests\":{\"storage\":\"1Gi\"}}}}' >/dev/null"
+	check "the PVC's status capacity follows" wait_jp 300 pvc h '{.status.capacity.storage}' '^1Gi$'
+	check "the filesystem in the pod grew" pod_done 300 h-r
+	log "    app: $(cat "$work/msg")"
+	kubectl delete pod h-r --wait=true >/dev/null
+	snap_of h-snap h
+	check "VolumeSnapshot of the encrypted PVC readyToUse" wait_jp 300 volumesnapshot h-snap '{.status.readyToUse}' '^true$'
+	pvc_from h-restore 1Gi snapshot h-snap rbd-nbd-go-encrypted
+	check "PVC restored from it (encrypted class) Bound" wait_jp 300 pvc h-restore '{.status.phase}' '^Bound$'
+	rimg=$(pv_image "$(jp pvc h-restore '{.spec.volumeName}')")
+	pod h-rr h-restore 'md5sum -c /data/marker.md5 >/dev/null && df -k /data | awk "NR==2 {print \"size_kb=\" \$2}" >/dev/termination-log'
+	check "a pod reads the marker from the restore" pod_done 300 h-rr
+	check "... on the grown filesystem ($(cat "$work/msg"))" eval "[ \$(sed -n 's/size_kb=//p' $work/msg) -gt 900000 ]"
+	check "the restore's image is LUKS2 too" luks_scan "$rimg"
+	kubectl delete pod h-rr --wait=true >/dev/null
+	kubectl delete volumesnapshot h-snap --wait=true --timeout=120s >/dev/null
+	kubectl delete pvc h h-restore --wait=true --timeout=180s >/dev/null
+	check "everything deleted: nothing left in the pool or its trash" eval "k8s_wait 300 'pool empty' pool_clean || { rbd ls -l rbd >$work/why; rbd trash ls rbd >>$work/why; false; }"
+	check "... no key left in the kernel keyring" eval "! grep -q ' rbd-nbd-go:nbd' /proc/keys"
+	kubectl delete sc rbd-nbd-go-encrypted >/dev/null
+	kubectl -n $NS delete secret csi-rbd-encryption-secret >/dev/null
+	# Every log of the node: the pods' (plugin, sidecars), the daemon's
+	# and its state directory, the cluster's components.
+	check "the passphrase is in no log, record or state file" \
+		eval "! grep -rlsF -D skip -f $work/passphrase.grep /var/log/pods /run/rbd-nbd-go $LOGS >$work/why"
+}
+
+# --- i: a QoS limit changed live, under fio
+fio_rate() { # fio_rate POD FROM_MS: write IOPS of POD's fio (terse status lines, cumulative) from its runtime FROM_MS to the last line; and that runtime
+	awk -F';' -v from="$2" '/ F 3;fio-/ && $50 > 0 {
+			if (!t0 && $50 >= from) { t0 = $50; k0 = $47 }
+			t = $50; k = $47
+		}
+		END { if (t0 && t > t0) printf "%.1f %d\n", (k - k0) / 4 / ((t - t0) / 1000), t; else print "0 " t + 0 }' \
+		/var/log/pods/default_"$1"_*/app/*.log 2>/dev/null
+}
+fio_at() { # fio_at POD MS: until fio in POD has run MS
+	k8s_wait 300 "fio ran $2 ms" eval "[ \$(fio_rate $1 0 | cut -d' ' -f2) -ge $2 ]" ||
+		{ echo "fio at $(fio_rate "$1" 0 | cut -d' ' -f2) ms" >"$work/why"; return 1; }
+}
+within() { # within RATE LIMIT PERCENT
+	awk -v r="$1" -v l="$2" -v p="$3" 'BEGIN {exit !(r >= l * (1 - p / 100) && r <= l * (1 + p / 100))}' ||
+		{ echo "$1 IOPS, limit $2" >"$work/why"; return 1; }
+}
+scenario_i() {
+	local pv img devs t r1 r2 t0 dt ex=$root/deploy/kubernetes/examples/volumeattributesclass.yaml
+	# The examples' silver and gold, but at 50 and 120 write IOPS: this
+	# VM's k8s node does about 210 unthrottled (4k randwrite QD16, TCG),
+	# so gold's 300 would measure the VM, not the limit.
+	check "the example VolumeAttributesClasses, and two slower copies" eval 'kubectl apply -f "$ex" >/dev/null &&
+		sed -e "s/rbd-nbd-go-silver/i-slow/; s/rbd-nbd-go-gold/i-fast/" \
+			-e "s/baseWriteIops: \"100\"/baseWriteIops: \"50\"/; s/baseWriteIops: \"300\"/baseWriteIops: \"120\"/" "$ex" | kubectl apply -f - >/dev/null'
+	kubectl apply -f - >/dev/null <<-EOF
+	apiVersion: v1
+	kind: PersistentVolumeClaim
+	metadata: {name: i}
+	spec:
+	  accessModes: [ReadWriteOnce]
+	  volumeMode: Block
+	  storageClassName: rbd-nbd-go-block
+	  volumeAttributesClassName: i-slow
+	  resources: {requests: {storage: 1Gi}}
+	EOF
+	check "PVC Bound, class i-slow" wait_jp 300 pvc i '{.status.phase}/{.status.currentVolumeAttributesClassName}' '^Bound/i-slow$'
+	pv=$(jp pvc i '{.spec.volumeName}')
+	img=$(pv_image "$pv")
+	check "the image's write-IOPS limit is i-slow's, 50" eval "[ \"\$(rbd config image get rbd/$img rbd_qos_write_iops_limit)\" = 50 ]"
+	# fio's cumulative status each second: the rate of any window, read
+	# from the kubelet's log file while fio runs.
+	pod i i 'fio --name=q --filename=/dev/xvda --size=256M --rw=randwrite --bs=4k --iodepth=16 --ioengine=libaio --direct=1 \
+		--time_based --runtime=120 --status-interval=1 --output-format=terse --terse-version=3' block
+	check "fio runs 14 s on i-slow" fio_at i 14000
+	read -r r1 t < <(fio_rate i 3000)
+	devs=$(ls /sys/block/nbd*/pid)
+	t0=$(date +%s)
+	check "the PVC moved to i-fast while fio runs" eval "kubectl patch pvc i -p '{\"spec\":{\"volumeAttributesClassName\":\"i-fast\"}}' >/dev/null"
+	check "the resizer modified the volume: status i-fast" wait_jp 120 pvc i '{.status.currentVolumeAttributesClassName}' '^i-fast$'
+	dt=$(($(date +%s) - t0))
+	read -r _ t < <(fio_rate i 0)
+	# The daemon's librbd takes the new limit on its next refresh: 2 s
+	# of grace, then 12 s measured.
+	check "fio runs 14 s more on i-fast" fio_at i $((t + 14000))
+	read -r r2 _ < <(fio_rate i $((t + 2000)))
+	log "    i-slow (50): $r1 IOPS; i-fast (120): $r2 IOPS; status i-fast ${dt} s after the patch"
+	check "the image's write-IOPS limit is i-fast's, 120" eval "[ \"\$(rbd config image get rbd/$img rbd_qos_write_iops_limit)\" = 120 ]"
+	check "the same device throughout, no remap" eval "[ \"\$(ls /sys/block/nbd*/pid)\" = '$devs' ]"
+	check "fio under i-slow: $r1 IOPS, within 15 % of 50" within "$r1" 50 15
+	check "fio under i-fast: $r2 IOPS, within 15 % of 120" within "$r2" 120 15
+	kubectl delete pod i --wait=true --grace-period=1 >/dev/null
+	kubectl delete pvc i --wait=true >/dev/null
+	check "PVC deleted -> PV gone" gone 300 pv "$pv"
+}
+
+[ $# -gt 0 ] || set -- a b c d e f g h i
 current=deploy scenario_failed=0
 run_scenario deploy deploy
 if [ $fails -eq 0 ]; then
