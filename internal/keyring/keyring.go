@@ -8,6 +8,7 @@ package keyring
 import (
 	"errors"
 	"fmt"
+	"runtime"
 
 	"golang.org/x/sys/unix"
 )
@@ -26,20 +27,34 @@ const perm = 0x3f000000 | 0x00010000 | 0x00020000 | 0x00080000
 
 func (k Kernel) desc(name string) string { return k.Prefix + name }
 
+// possess links the user keyring into the calling thread's session
+// keyring, as pam_keyinit does at login, so the keys in it are ours to
+// change and remove. A container starts with a new, empty session keyring
+// that is not linked to it: there, a key added to the user keyring is
+// not possessed by its adder, who may only view it. Linking twice is no
+// error; a failure leaves the permissions to say what is allowed.
+func possess() {
+	unix.KeyctlInt(unix.KEYCTL_LINK, unix.KEY_SPEC_USER_KEYRING, unix.KEY_SPEC_SESSION_KEYRING, 0, 0)
+}
+
 // Put stores (or replaces) secret under name.
 func (k Kernel) Put(name string, secret []byte) error {
+	runtime.LockOSThread() // the session keyring is the thread's
+	defer runtime.UnlockOSThread()
+	possess()
 	id, err := unix.AddKey("user", k.desc(name), secret, unix.KEY_SPEC_USER_KEYRING)
 	if err != nil {
 		return fmt.Errorf("kernel keyring: add key: %w", err)
 	}
 	if _, err := unix.KeyctlInt(unix.KEYCTL_SETPERM, id, perm, 0, 0); err != nil {
-		k.Remove(name)
+		unix.KeyctlInt(unix.KEYCTL_INVALIDATE, id, 0, 0, 0)
 		return fmt.Errorf("kernel keyring: set key permissions: %w", err)
 	}
 	return nil
 }
 
 func (k Kernel) find(name string) (int, error) {
+	possess()
 	id, err := unix.KeyctlSearch(unix.KEY_SPEC_USER_KEYRING, "user", k.desc(name), 0)
 	if errors.Is(err, unix.ENOKEY) || errors.Is(err, unix.EKEYREVOKED) || errors.Is(err, unix.EKEYEXPIRED) {
 		return 0, ErrNotFound
@@ -52,6 +67,8 @@ func (k Kernel) find(name string) (int, error) {
 
 // Get reads the secret stored under name.
 func (k Kernel) Get(name string) ([]byte, error) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
 	id, err := k.find(name)
 	if err != nil {
 		return nil, err
@@ -73,6 +90,8 @@ func (k Kernel) Get(name string) ([]byte, error) {
 // Remove invalidates the key stored under name; a missing key is no
 // error.
 func (k Kernel) Remove(name string) error {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
 	id, err := k.find(name)
 	if errors.Is(err, ErrNotFound) {
 		return nil
