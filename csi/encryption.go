@@ -244,11 +244,11 @@ func (d *Driver) stageKey(o ceph.Options, vol volume, volCtx, secrets map[string
 			return err
 		}
 	}
-	if info.Meta[metaDEK] != "" && info.Meta[metaDEKSalt] == "" {
-		// A volume ceph-csi made: keep the ID its key is sealed under,
-		// for the restores of its snapshots.
-		salt := dekSalt(vol.ID(), info.Meta, volCtx)
-		if err := d.cfg.Images.UpdateMetadata(o, vol.Spec, map[string]string{metaDEKSalt: salt}, nil); err != nil {
+	if cephID := volCtx[ctxCephCSIVolumeID]; cephID != "" && info.Meta[metaDEK] != "" && info.Meta[metaDEKSalt] == "" {
+		// A volume ceph-csi made, whose sealed key just opened under the
+		// ID it was given: keep that ID, for the restores of its
+		// snapshots (no volume context reaches CreateVolume).
+		if err := d.cfg.Images.UpdateMetadata(o, vol.Spec, map[string]string{metaDEKSalt: cephID}, nil); err != nil {
 			d.log.Warn("record the salt of a migrated volume's key", "volume", vol.ID(), "err", err)
 		}
 	}

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/codes"
 
 	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
+	"github.com/rbd-nbd-go/rbd-nbd-go/control"
 )
 
 func encSecrets(pass string) map[string]string {
@@ -223,4 +224,47 @@ func TestCephCSIEncryptedStaticVolume(t *testing.T) {
 	req.Secrets = encSecrets("x")
 	_, err := r.d.NodeStageVolume(context.Background(), req)
 	wantCode(t, "encrypted context, plain image", err, codes.FailedPrecondition, "no rbd.csi.ceph.com/encrypted")
+}
+
+// A ceph-csi volume's sealed key opens under the ceph-csi volume ID the
+// static volume gives, and only that ID is kept as its salt: a stage
+// under the default KMS first must not record a wrong one.
+func TestCephCSISealedKeySalt(t *testing.T) {
+	r := encRig(t)
+	cephID := "0001-0003-c1-0000000000000001-abcd"
+	sealed, _ := metadataKMS("kek").wrap(cephID, []byte("their-dek"))
+	spec := ceph.ImageSpec{Pool: "rbd", Image: "csi-vol-sealed"}
+	meta := map[string]string{metaEncrypted: stateEncrypted}
+	maps.Copy(meta, sealed)
+	r.images.CreateImage(fakeOpts, spec, ceph.NewImage{Size: 64 << 20, Meta: meta})
+	id := volume{ClusterID: "c1", Spec: spec}.ID()
+	stage := func(ctx map[string]string) control.Record {
+		t.Helper()
+		staging := filepath.Join(r.dir, "staging")
+		os.MkdirAll(staging, 0o750)
+		req := r.stageReq(&csi.Volume{VolumeId: id, VolumeContext: ctx}, staging, mountCap("ext4", rwo))
+		req.Secrets = encSecrets("kek")
+		if _, err := r.d.NodeStageVolume(context.Background(), req); err != nil {
+			t.Fatal(err)
+		}
+		m := r.att.maps[len(r.att.maps)-1]
+		if _, err := r.d.NodeUnstageVolume(context.Background(), &csi.NodeUnstageVolumeRequest{VolumeId: id,
+			StagingTargetPath: staging}); err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+	if m := stage(map[string]string{"clusterID": "c1", "encrypted": "true"}); m.Encryption.Passphrase != "kek" {
+		t.Fatalf("default KMS mapped with %q", m.Encryption.Passphrase)
+	}
+	if info, _ := r.images.ImageInfo(fakeOpts, spec); info.Meta[metaDEKSalt] != "" {
+		t.Fatalf("a default-KMS stage recorded salt %q", info.Meta[metaDEKSalt])
+	}
+	m := stage(map[string]string{"clusterID": "c1", "encrypted": "true", "encryptionKMSID": "meta", ctxCephCSIVolumeID: cephID})
+	if m.Encryption.Passphrase != "their-dek" {
+		t.Fatalf("metadata KMS mapped with %q", m.Encryption.Passphrase)
+	}
+	if info, _ := r.images.ImageInfo(fakeOpts, spec); info.Meta[metaDEKSalt] != cephID {
+		t.Fatalf("salt kept: %q", info.Meta[metaDEKSalt])
+	}
 }

@@ -238,9 +238,11 @@ func sealLikeCephCSI(t *testing.T, kek, volID, pass string) string {
 
 // cephCSIVolume makes an image the way ceph-csi's node plugin encrypts
 // one: mapped (Ceph's rbd-nbd), cryptsetup luksFormat --type luks2
-// --hash sha256 --pbkdf-memory 32768 on the device, opened with dm-crypt, ext4 on that, a
-// file written; then closed and unmapped.
-func cephCSIVolume(t *testing.T, image, pass string, content []byte) {
+// --hash sha256 --pbkdf-memory 32768 on the device with passes[0], more
+// keyslots for the other passes (as ceph-csi's key rotation leaves one
+// in slot 1), opened with dm-crypt, ext4 on that, a file written; then
+// closed and unmapped.
+func cephCSIVolume(t *testing.T, image string, passes []string, content []byte) {
 	run(t, "rbd", "create", "--size", "128M", "--image-feature", "layering,exclusive-lock,object-map,fast-diff,deep-flatten", "rbd/"+image)
 	dev := strings.TrimSpace(run(t, "rbd-nbd", "map", "rbd/"+image))
 	defer run(t, "rbd-nbd", "unmap", dev)
@@ -253,9 +255,14 @@ func cephCSIVolume(t *testing.T, image, pass string, content []byte) {
 		}
 	}
 	// ceph-csi's command lines (internal/util/cryptsetup.go).
-	crypt(pass, "-q", "luksFormat", "--type", "luks2", "--hash", "sha256", "--pbkdf-memory", "32768", dev, "-d", "-")
+	crypt(passes[0], "-q", "luksFormat", "--type", "luks2", "--hash", "sha256", "--pbkdf-memory", "32768", dev, "-d", "-")
+	old := filepath.Join(t.TempDir(), "old")
+	os.WriteFile(old, []byte(passes[0]), 0o600)
+	for _, p := range passes[1:] {
+		crypt(p, "-q", "luksAddKey", "--pbkdf-memory", "32768", "-d", old, dev, "-")
+	}
 	name := "luks-rbd-" + image
-	crypt(pass, "luksOpen", dev, name, "--disable-keyring", "-d", "-")
+	crypt(passes[0], "luksOpen", dev, name, "--disable-keyring", "-d", "-")
 	defer crypt("", "luksClose", name)
 	run(t, "mkfs.ext4", "-q", "/dev/mapper/"+name)
 	mnt := t.TempDir()
@@ -267,33 +274,31 @@ func cephCSIVolume(t *testing.T, image, pass string, content []byte) {
 	}
 }
 
-// TestCephCSIEncryptedVolumeOpens: volumes ceph-csi encrypted (its
-// default KMS, and its metadata KMS with the key sealed under its own
-// volume ID) stage here as static volumes, through librbd's LUKS loader,
-// with their data.
+// TestCephCSIEncryptedVolumeOpens: a volume ceph-csi encrypted stages
+// here as a static volume, through librbd's LUKS loader, with its data:
+// with its default KMS (the Secret's passphrase opens keyslot 0), and with
+// its metadata KMS (a random passphrase in keyslot 1, sealed in the
+// image's metadata under ceph-csi's volume ID). One image serves both.
 func TestCephCSIEncryptedVolumeOpens(t *testing.T) {
 	r := encRig(t)
 	if _, err := exec.LookPath("cryptsetup"); err != nil {
 		t.Fatal("cryptsetup is needed to make a volume as ceph-csi does")
 	}
 	kek := "kek-" + hex.EncodeToString(randBytes(8))
+	// 20 random bytes, base64url, as ceph-csi makes them.
+	dek := base64.URLEncoding.EncodeToString(randBytes(20))
+	cephID := "0001-0003-dev-0000000000000001-" + hex.EncodeToString(randBytes(16))
+	image := "csi-vol-migrated"
+	content := append([]byte("ceph-csi wrote this\n"), randBytes(1<<20)...)
+	cephCSIVolume(t, image, []string{kek, dek}, content)
+	run(t, "rbd", "image-meta", "set", "rbd/"+image, "rbd.csi.ceph.com/encrypted", "encrypted")
+	run(t, "rbd", "image-meta", "set", "rbd/"+image, "rbd.csi.ceph.com/dek", sealLikeCephCSI(t, kek, cephID, dek))
 	for _, kind := range []string{"default", "metadata"} {
 		t.Run(kind, func(t *testing.T) {
-			image := "csi-vol-migrated-" + kind
-			content := append([]byte("ceph-csi wrote this ("+kind+")\n"), randBytes(1<<20)...)
 			ctx := map[string]string{"clusterID": "dev", "pool": "rbd", "encrypted": "true"}
-			pass := kek
 			if kind == "metadata" {
-				// 20 random bytes, base64url, as ceph-csi makes them.
-				pass = base64.URLEncoding.EncodeToString(randBytes(20))
-				cephID := "0001-0003-dev-0000000000000001-" + hex.EncodeToString(randBytes(16))
 				ctx["encryptionKMSID"], ctx["cephcsiVolumeID"] = "meta", cephID
-				cephCSIVolume(t, image, pass, content)
-				run(t, "rbd", "image-meta", "set", "rbd/"+image, "rbd.csi.ceph.com/dek", sealLikeCephCSI(t, kek, cephID, pass))
-			} else {
-				cephCSIVolume(t, image, pass, content)
 			}
-			run(t, "rbd", "image-meta", "set", "rbd/"+image, "rbd.csi.ceph.com/encrypted", "encrypted")
 			rv := r.another("static-" + kind)
 			rv.vol = &csi.Volume{VolumeId: "nbd1/dev/rbd//" + image, VolumeContext: ctx}
 			rv.cap = fsCap("ext4", rwo)
@@ -303,7 +308,7 @@ func TestCephCSIEncryptedVolumeOpens(t *testing.T) {
 			rv.unpublish(target)
 			_, err := rv.nc.NodeUnstageVolume(rv.ctx, &csi.NodeUnstageVolumeRequest{VolumeId: rv.vol.VolumeId, StagingTargetPath: rv.staging})
 			rv.must("NodeUnstage", err)
-			run(t, "rbd", "rm", "--no-progress", "rbd/"+image)
 		})
 	}
+	run(t, "rbd", "rm", "--no-progress", "rbd/"+image)
 }
