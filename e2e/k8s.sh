@@ -254,7 +254,7 @@ scenario_c() {
 	pvc c 256Mi rbd-nbd-go-block Block
 	check "block PVC Bound" wait_jp 300 pvc c '{.status.phase}' '^Bound$'
 	pod c c 'echo size=$(blockdev --getsize64 /dev/xvda) >/dev/termination-log &&
-		fio --name=v --filename=/dev/xvda --size=32M --rw=randwrite --bs=4k --iodepth=16 --ioengine=libaio --direct=1 \
+		fio --name=v --filename=/dev/xvda --size=8M --rw=randwrite --bs=4k --iodepth=16 --ioengine=libaio --direct=1 \
 			--verify=crc32c --verify_fatal=1 --do_verify=1 --output-format=terse --terse-version=3 >/tmp/fio &&
 		awk -F";" "/^3;/ {print \"fio_error=\" \$5}" /tmp/fio >>/dev/termination-log' block
 	check "the pod gets the device; fio verify passes" pod_done 400 c
