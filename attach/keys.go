@@ -1,7 +1,6 @@
 package attach
 
 import (
-	"errors"
 	"fmt"
 
 	"github.com/rbd-nbd-go/rbd-nbd-go/control"
@@ -56,7 +55,7 @@ func (m *Manager) dropPassphrase(rec control.Record) error {
 		return nil
 	}
 	if err := m.cfg.Keys.Remove(keyName(rec)); err != nil {
-		return errors.Join(fmt.Errorf("forget the passphrase of %s", rec.Device()), err)
+		return fmt.Errorf("forget the passphrase of %s: %w", rec.Device(), err)
 	}
 	return nil
 }

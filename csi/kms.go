@@ -56,9 +56,8 @@ func keyManagerFor(configPath, kmsID string, secrets map[string]string) (keyMana
 			return nil, err
 		}
 		var e struct {
-			Type            string `json:"encryptionKMSType"`
-			SecretName      string `json:"secretName"`
-			SecretNamespace string `json:"secretNamespace"`
+			Type       string `json:"encryptionKMSType"`
+			SecretName string `json:"secretName"`
 		}
 		if err := json.Unmarshal(entry, &e); err != nil {
 			return nil, status.Errorf(codes.InvalidArgument, "KMS config %s, entry %q: %v", configPath, kmsID, err)
@@ -69,17 +68,16 @@ func keyManagerFor(configPath, kmsID string, secrets map[string]string) (keyMana
 		}
 		kind = e.Type
 	}
-	pass, ok := secrets[secretPassphraseKey]
-	if kind == "default" || kind == "metadata" {
-		if !ok || pass == "" {
+	switch kind {
+	case "default", "metadata":
+		pass := secrets[secretPassphraseKey]
+		if pass == "" {
 			return nil, status.Errorf(codes.InvalidArgument, "encryption (KMS %q, kind %s) needs %s in the Secret",
 				kmsID, kind, secretPassphraseKey)
 		}
-	}
-	switch kind {
-	case "default":
-		return secretKMS(pass), nil
-	case "metadata":
+		if kind == "default" {
+			return secretKMS(pass), nil
+		}
 		return metadataKMS(pass), nil
 	case "":
 		return nil, status.Errorf(codes.InvalidArgument, "KMS %q has no encryptionKMSType", kmsID)
