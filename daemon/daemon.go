@@ -98,7 +98,11 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		return err
 	}
 	defer ctl.Close()
-	m, l, err := takeBack(cfg, ctl, log)
+	fence, err := newFencer(cfg.StateDir, selfProcess(), procAlive, time.Now, log)
+	if err != nil {
+		return fmt.Errorf("sessions record: %w", err)
+	}
+	m, l, err := takeBack(cfg, ctl, rbdio.NewClustersWith(fence.hooks()), log)
 	if err != nil {
 		return err
 	}
@@ -110,7 +114,12 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	readied = true
 	serr := Serve(ctx, l, m, log, sched.serving)
 	log.Info("stopping; devices stay mapped for the next daemon")
-	return errors.Join(serr, m.Close())
+	cerr := m.Close()
+	if cerr == nil {
+		// Every image closed, every lock released: nothing to fence.
+		cerr = fence.clean()
+	}
+	return errors.Join(serr, cerr)
 }
 
 // lockState takes the state directory's daemon lock, writing our pid in
@@ -162,12 +171,12 @@ func openKernel(cfg Config) (kernel.Controller, error) {
 
 // takeBack reattaches every device the state directory records, then
 // opens the control socket: a client that reaches it finds them served.
-func takeBack(cfg Config, ctl kernel.Controller, log *slog.Logger) (*attach.Manager, net.Listener, error) {
+func takeBack(cfg Config, ctl kernel.Controller, clusters *rbdio.Clusters, log *slog.Logger) (*attach.Manager, net.Listener, error) {
 	store, err := attach.OpenStore(cfg.StateDir)
 	if err != nil {
 		return nil, nil, err
 	}
-	m := attach.NewManager(attach.Config{Kernel: ctl, Clusters: rbdio.NewClusters(), Store: store, Log: log,
+	m := attach.NewManager(attach.Config{Kernel: ctl, Clusters: clusters, Store: store, Log: log,
 		MemoryBudget: cfg.MemoryBudget})
 	if err := m.Restore(); err != nil {
 		log.Error("some devices were not reattached", "err", err)

@@ -26,6 +26,16 @@ import (
 type Clusters struct {
 	mu    sync.Mutex
 	conns map[ceph.Options]*clusterRef
+	hooks SessionHooks
+}
+
+// SessionHooks are told of each RADOS session: Opened right after the
+// connect, before any image opens on it (so the node daemon can record
+// the session's address, and fence a dead predecessor's, before it asks
+// for any lock); Closed after a clean shutdown. Either may be nil.
+type SessionHooks struct {
+	Opened func(Session)
+	Closed func(Session)
 }
 
 type clusterRef struct {
@@ -35,7 +45,12 @@ type clusterRef struct {
 	refs  int // callers holding conn, and (before ready) waiting for it
 }
 
-func NewClusters() *Clusters { return &Clusters{conns: map[ceph.Options]*clusterRef{}} }
+func NewClusters() *Clusters { return NewClustersWith(SessionHooks{}) }
+
+// NewClustersWith is NewClusters with hooks on each session.
+func NewClustersWith(h SessionHooks) *Clusters {
+	return &Clusters{conns: map[ceph.Options]*clusterRef{}, hooks: h}
+}
 
 // get returns a connected handle for o and a release function.
 func (c *Clusters) get(o ceph.Options) (*rados.Conn, func(), error) {
@@ -68,6 +83,9 @@ func (c *Clusters) get(o ceph.Options) (*rados.Conn, func(), error) {
 		c.mu.Unlock()
 		close(ref.ready)
 		return nil, nil, ref.err
+	}
+	if c.hooks.Opened != nil {
+		c.hooks.Opened(sessionOf(ref.conn))
 	}
 	close(ref.ready)
 	return ref.conn, c.releaser(o, ref), nil
@@ -111,7 +129,14 @@ func (c *Clusters) releaser(o ceph.Options, ref *clusterRef) func() {
 			}
 			c.mu.Unlock()
 			if last {
+				var s Session
+				if c.hooks.Closed != nil {
+					s = sessionOf(ref.conn)
+				}
 				ref.conn.Shutdown()
+				if c.hooks.Closed != nil {
+					c.hooks.Closed(s)
+				}
 			}
 		})
 	}

@@ -1,0 +1,218 @@
+package daemon
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/rbdio"
+)
+
+// After a kill -9 the dead daemon's RADOS sessions keep their watches on
+// the OSDs until osd_client_watch_timeout (30 s), and librbd will not
+// break an exclusive lock whose owner still watches: the new daemon's
+// reattach waited about 27 s for every locked image. So each daemon
+// records its sessions' addresses in the state directory as it opens
+// them; the next daemon, once sure the recorder is gone, blocklists
+// them on its first session to the same cluster, before it opens any
+// image there. The OSDs drop the watches at once and refuse whatever
+// the dead process still had in flight, so no stale write can land
+// after the new owner's.
+//
+// "Sure it is gone" is two proofs: we hold the state directory's flock,
+// which the old daemon held until its last descriptor closed; and the
+// recorded pid no longer runs with the recorded start time. A daemon
+// that stopped cleanly (its images closed, its locks released) marks
+// its record clean and is never fenced.
+
+// fenceExpire is how long a fenced address stays blocklisted: Ceph's
+// own default, ample for any write the dead process had in flight.
+const fenceExpire = time.Hour
+
+// fenceWindow drops predecessors' sessions that were not fenced within
+// it (no device of that cluster came back): their watches have long
+// timed out, and their in-flight writes long landed or failed.
+const fenceWindow = time.Hour
+
+type sessionRecord struct {
+	FSID  string   `json:"fsid"`
+	Addrs []string `json:"addrs"`
+	// Since: when a predecessor's session was found dead.
+	Since time.Time `json:"since,omitzero"`
+}
+
+// sessionsFile is the state directory's sessions.json.
+type sessionsFile struct {
+	PID      int             `json:"pid"`
+	Start    uint64          `json:"start"` // /proc/PID/stat starttime
+	Clean    bool            `json:"clean"`
+	Sessions []sessionRecord `json:"sessions"` // ours, open
+	Dead     []sessionRecord `json:"dead"`     // predecessors', not yet fenced
+}
+
+type fencer struct {
+	path string
+	log  *slog.Logger
+	now  func() time.Time
+
+	mu  sync.Mutex
+	rec sessionsFile
+}
+
+// processProbe tells whether pid still runs with the given start time.
+type processProbe func(pid int, start uint64) bool
+
+// newFencer reads the predecessor's record from dir and starts ours.
+// The caller holds dir's daemon lock.
+func newFencer(dir string, self sessionsFile, alive processProbe, now func() time.Time, log *slog.Logger) (*fencer, error) {
+	f := &fencer{path: filepath.Join(dir, "sessions.json"), log: log, now: now}
+	var prev sessionsFile
+	b, err := os.ReadFile(f.path)
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+	case err != nil:
+		return nil, err
+	default:
+		if err := json.Unmarshal(b, &prev); err != nil {
+			log.Warn("unreadable sessions record; not fencing", "path", f.path, "err", err)
+			prev = sessionsFile{}
+		}
+	}
+	t := now()
+	dead := slices.DeleteFunc(prev.Dead, func(s sessionRecord) bool { return t.Sub(s.Since) > fenceWindow })
+	switch {
+	case prev.PID == 0 || prev.Clean || len(prev.Sessions) == 0:
+	case alive(prev.PID, prev.Start):
+		// Cannot happen while we hold the flock, short of a second
+		// daemon on a copy of this directory: never fence a live one.
+		log.Error("the previous daemon still runs: not fencing its sessions", "pid", prev.PID)
+	default:
+		for _, s := range prev.Sessions {
+			s.Since = t
+			dead = append(dead, s)
+		}
+		log.Info("the previous daemon did not stop cleanly: its sessions will be fenced",
+			"pid", prev.PID, "sessions", len(prev.Sessions))
+	}
+	f.rec = sessionsFile{PID: self.PID, Start: self.Start, Dead: dead}
+	return f, f.save()
+}
+
+// opened fences the dead sessions of fsid's cluster through the new
+// session (blocklist), then records the new one.
+func (f *fencer) opened(fsid string, addrs []string, blocklist func(addr string, expire time.Duration) error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	var keep []sessionRecord
+	for _, d := range f.rec.Dead {
+		if d.FSID != fsid || fsid == "" {
+			keep = append(keep, d)
+			continue
+		}
+		for _, a := range d.Addrs {
+			if slices.Contains(addrs, a) {
+				continue // never our own
+			}
+			t0 := time.Now()
+			if err := blocklist(a, fenceExpire); err != nil {
+				// Not fatal: the lock is then broken once the watch
+				// times out, as without fencing.
+				f.log.Warn("cannot fence the previous daemon's session", "addr", a, "err", err)
+				continue
+			}
+			f.log.Info("fenced the previous daemon's session", "addr", a, "expire", fenceExpire,
+				"took", time.Since(t0).Round(time.Millisecond))
+		}
+	}
+	f.rec.Dead = keep
+	f.rec.Sessions = append(f.rec.Sessions, sessionRecord{FSID: fsid, Addrs: addrs})
+	f.saveLogged()
+}
+
+// closed forgets a session shut down cleanly: its watches went with it.
+func (f *fencer) closed(addrs []string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.rec.Sessions = slices.DeleteFunc(f.rec.Sessions, func(s sessionRecord) bool { return slices.Equal(s.Addrs, addrs) })
+	f.saveLogged()
+}
+
+// clean marks the record: this daemon stopped with every image closed.
+func (f *fencer) clean() error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.rec.Clean = true
+	return f.save()
+}
+
+// hooks connects the fencer to rbdio's sessions.
+func (f *fencer) hooks() rbdio.SessionHooks {
+	return rbdio.SessionHooks{
+		Opened: func(s rbdio.Session) { f.opened(s.FSID, s.Addrs, s.Blocklist) },
+		Closed: func(s rbdio.Session) { f.closed(s.Addrs) },
+	}
+}
+
+func (f *fencer) saveLogged() {
+	if err := f.save(); err != nil {
+		f.log.Warn("cannot record RADOS sessions; a kill -9 will be recovered slowly", "err", err)
+	}
+}
+
+func (f *fencer) save() error {
+	b, err := json.MarshalIndent(f.rec, "", "  ")
+	if err != nil {
+		return err
+	}
+	tmp := f.path + ".tmp"
+	if err := os.WriteFile(tmp, b, 0o600); err != nil {
+		return err
+	}
+	if t, err := os.Open(tmp); err == nil {
+		t.Sync()
+		t.Close()
+	}
+	return os.Rename(tmp, f.path)
+}
+
+// selfProcess is this process's identity for the record.
+func selfProcess() sessionsFile {
+	pid := os.Getpid()
+	start, _ := procStart(pid)
+	return sessionsFile{PID: pid, Start: start}
+}
+
+// procAlive is the real processProbe: /proc/PID/stat with the same start
+// time (a reused pid has another).
+func procAlive(pid int, start uint64) bool {
+	s, err := procStart(pid)
+	return err == nil && s == start
+}
+
+// procStart reads field 22 of /proc/PID/stat, the start time in clock
+// ticks since boot; fields are counted after the command name's ")",
+// which may itself hold spaces or parentheses.
+func procStart(pid int) (uint64, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, err
+	}
+	s := string(b)
+	i := strings.LastIndexByte(s, ')')
+	if i < 0 {
+		return 0, fmt.Errorf("/proc/%d/stat: no command name", pid)
+	}
+	fields := strings.Fields(s[i+1:])
+	if len(fields) < 20 {
+		return 0, fmt.Errorf("/proc/%d/stat: short", pid)
+	}
+	return strconv.ParseUint(fields[19], 10, 64)
+}
