@@ -326,6 +326,10 @@ func (c *conn) readLoop() error {
 			c.complete(r) // nothing to do; a zero-length READ gets an empty reply
 			continue
 		}
+		if g := c.exp.gate; g != nil && g.n.Load() > 0 && g.wait(r) {
+			c.srv.log.Warn("nbd: held a write until an overlapping one sent before a kernel retry left the backend",
+				"op", r.Op, "offset", r.Offset, "length", r.Length, "remote", remote(c.w.nc))
+		}
 		r.inSubmit.Store(true)
 		c.be.Submit(r)
 		r.inSubmit.Store(false)

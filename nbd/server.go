@@ -23,6 +23,8 @@ type Export struct {
 	Description string
 	Backend     Backend
 	ReadOnly    bool // refuse writes even if the backend accepts them
+
+	gate *staleGate // set by AddExport
 }
 
 // capFlags maps backend capabilities to the flags that advertise them.
@@ -154,6 +156,7 @@ func (s *Server) AddExport(e Export) error {
 	if _, dup := s.exports[e.Name]; dup {
 		return fmt.Errorf("nbd: export %q already exists", e.Name)
 	}
+	e.gate = &staleGate{}
 	s.exports[e.Name] = &e
 	s.order = append(s.order, &e)
 	return nil

@@ -1,0 +1,118 @@
+package nbd
+
+import (
+	"bufio"
+	"context"
+	"log/slog"
+	"strings"
+	"testing"
+	"time"
+)
+
+// staleRig: one export on an async backend, served on two connections
+// as the kernel's are, with a fast watchdog.
+func staleRig(t *testing.T) (*asyncFake, [2]*tclient, *syncBuffer, *Shared) {
+	var logs syncBuffer
+	sh := NewShared(0)
+	sh.dog.every = 10 * time.Millisecond
+	dev := newAsync(4 << 20)
+	s := NewServer(Config{Shared: sh, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	s.AddExport(Export{Backend: dev})
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		s.Shutdown(ctx)
+	})
+	var cs [2]*tclient
+	for i := range cs {
+		a, b := socketpair(t)
+		go s.ServeNegotiated(a, "")
+		cs[i] = &tclient{t: t, c: b, br: bufio.NewReader(b)}
+		b.SetDeadline(time.Now().Add(30 * time.Second))
+		t.Cleanup(func() { b.Close() })
+	}
+	return dev, cs, &logs, sh
+}
+
+func noSubmit(t *testing.T, dev *asyncFake, within time.Duration) {
+	t.Helper()
+	select {
+	case r := <-dev.got:
+		t.Fatalf("%v at %d reached the backend while an overlapping stale write was in it", r.Op, r.Offset)
+	case <-time.After(within):
+	}
+}
+
+// TestRetryWaitsForStaleWrite plays the kernel's retry: a write stuck in
+// the backend past the slow mark is sent again on the other connection.
+// The copy must not reach the backend before the original has left it;
+// a write elsewhere must.
+func TestRetryWaitsForStaleWrite(t *testing.T) {
+	dev, cs, logs, sh := staleRig(t)
+	cs[0].send(cmdWrite, 0, 1, 8192, 4096, pattern(4096, 1))
+	orig := dev.wait(t, 1)[0]
+	time.Sleep(time.Duration(slowAfter+3) * sh.dog.every)
+
+	cs[1].send(cmdWrite, 0, 2, 1<<20, 4096, pattern(4096, 2)) // elsewhere: not held
+	other := <-dev.got
+	if other.Offset != 1<<20 {
+		t.Fatalf("got %d", other.Offset)
+	}
+	cs[1].send(cmdWrite, 0, 3, 4096, 8192, pattern(8192, 3)) // overlaps [8192, 12288)
+	noSubmit(t, dev, 200*time.Millisecond)
+
+	dev.finish(orig, nil)
+	cs[0].recv(0)
+	select {
+	case r := <-dev.got:
+		if r.Offset != 4096 {
+			t.Fatalf("released %d", r.Offset)
+		}
+		dev.finish(r, nil)
+	case <-time.After(5 * time.Second):
+		t.Fatal("the retried write was never submitted after the original completed")
+	}
+	dev.finish(other, nil)
+	cs[1].recv(0)
+	cs[1].recv(0)
+	if !strings.Contains(logs.String(), "held a write until an overlapping one") {
+		t.Fatalf("no log line:\n%s", logs.String())
+	}
+}
+
+// TestYoungOverlapNotHeld: overlapping writes in flight for less than
+// the slow mark are the client's business and go straight through.
+func TestYoungOverlapNotHeld(t *testing.T) {
+	dev, cs, _, _ := staleRig(t)
+	cs[0].send(cmdWrite, 0, 1, 0, 4096, pattern(4096, 1))
+	a := <-dev.got
+	cs[1].send(cmdWrite, 0, 2, 0, 4096, pattern(4096, 2))
+	select {
+	case b := <-dev.got:
+		dev.finish(b, nil)
+	case <-time.After(5 * time.Second):
+		t.Fatal("a young overlapping write was held")
+	}
+	dev.finish(a, nil)
+	cs[0].recv(0)
+	cs[1].recv(0)
+}
+
+// TestStaleReadNotHeld: reads are never held, and a stale read holds no
+// write.
+func TestStaleReadNotHeld(t *testing.T) {
+	dev, cs, _, sh := staleRig(t)
+	cs[0].send(cmdRead, 0, 1, 0, 4096, nil)
+	rd := <-dev.got
+	time.Sleep(time.Duration(slowAfter+3) * sh.dog.every)
+	cs[1].send(cmdWrite, 0, 2, 0, 4096, pattern(4096, 2))
+	select {
+	case w := <-dev.got:
+		dev.finish(w, nil)
+	case <-time.After(5 * time.Second):
+		t.Fatal("a write behind a stale read was held")
+	}
+	dev.finish(rd, nil)
+	cs[0].recv(4096)
+	cs[1].recv(0)
+}
