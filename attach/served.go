@@ -95,8 +95,10 @@ func newServed(rec control.Record, opts backend.Options, shared *nbd.Shared, log
 	// The server's lines (slow requests, replies the kernel left unread)
 	// name the image: they come before the kernel has picked the device.
 	srv := nbd.NewServer(nbd.Config{Logger: log.With("spec", rec.Spec), Shared: shared})
+	// A write the kernel may have timed out and sent again is held
+	// behind its first copy from half the device's timeout on.
 	if err := srv.AddExport(nbd.Export{Description: opened.Describe, Backend: opened.Backend,
-		ReadOnly: rec.ReadOnly}); err != nil {
+		ReadOnly: rec.ReadOnly, StaleAfter: rec.IOTimeout / 2}); err != nil {
 		opened.Close()
 		return nil, err
 	}

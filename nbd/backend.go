@@ -119,6 +119,7 @@ type Request struct {
 	// For the slow-request watchdog (slow.go), under the conn's lock.
 	state uint8
 	slow  bool
+	stale bool   // marked on the export's staleGate
 	born  uint32 // watchdog tick when read
 	// inSubmit is set while the reader is inside Backend.Submit(r): a
 	// completion then is inline and the reader will send its reply.

@@ -201,7 +201,7 @@ func (c *conn) acquire(payload int, h []byte) *Request {
 		r = &Request{owner: c}
 		c.all = append(c.all, r)
 	}
-	r.state, r.slow, r.born = reqBackend, false, c.pool.dog.tick.Load()
+	r.state, r.slow, r.stale, r.born = reqBackend, false, false, c.pool.dog.tick.Load()
 	r.cookie, r.cflags, r.cmd = be.Uint64(h[8:]), be.Uint16(h[4:]), be.Uint16(h[6:])
 	r.Offset, r.Length = be.Uint64(h[16:]), be.Uint32(h[24:])
 	c.bytes += payload
@@ -326,7 +326,7 @@ func (c *conn) readLoop() error {
 			c.complete(r) // nothing to do; a zero-length READ gets an empty reply
 			continue
 		}
-		if g := c.exp.gate; g != nil && g.n.Load() > 0 && g.wait(r) {
+		if g := c.exp.gate; g.n.Load() > 0 && g.wait(r) {
 			c.srv.log.Warn("nbd: held a write until an overlapping one sent before a kernel retry left the backend",
 				"op", r.Op, "offset", r.Offset, "length", r.Length, "remote", remote(c.w.nc))
 		}

@@ -23,6 +23,11 @@ type Export struct {
 	Description string
 	Backend     Backend
 	ReadOnly    bool // refuse writes even if the backend accepts them
+	// StaleAfter is how long a write may sit in the backend before the
+	// client may have sent it again (staleGate): half the kernel's
+	// request timeout, or 0 for its default 30 s. The watchdog's 2 s
+	// tick makes the hold sure for timeouts of 5 s and more.
+	StaleAfter time.Duration
 
 	gate *staleGate // set by AddExport
 }
@@ -156,7 +161,7 @@ func (s *Server) AddExport(e Export) error {
 	if _, dup := s.exports[e.Name]; dup {
 		return fmt.Errorf("nbd: export %q already exists", e.Name)
 	}
-	e.gate = &staleGate{}
+	e.gate = &staleGate{after: e.StaleAfter}
 	s.exports[e.Name] = &e
 	s.order = append(s.order, &e)
 	return nil

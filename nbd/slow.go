@@ -98,16 +98,18 @@ func (c *conn) reportSlow(now uint32, wd *watchdog) {
 	}
 	var found []slow
 	c.reap() // a request answered directly is not slow, only not yet reaped
-	if g := c.exp.gate; g != nil && g.n.Load() > 0 {
-		g.prune()
+	if c.exp.gate.n.Load() > 0 {
+		c.exp.gate.prune()
 	}
 	c.mu.Lock()
+	staleAfter := c.exp.gate.ticks(wd)
 	for _, r := range c.all {
+		if r.state == reqBackend && !r.stale && now-r.born >= staleAfter {
+			r.stale = true
+			c.exp.gate.mark(c, r)
+		}
 		if r.state != reqFree && !r.slow && now-r.born >= wd.after {
 			r.slow = true
-			if c.exp.gate != nil {
-				c.exp.gate.mark(c, r)
-			}
 			found = append(found, slow{Op(r.cmd), r.Offset, r.Length, r.state,
 				float64(now-r.born) * wd.every.Seconds(), len(c.done), len(c.all) - len(c.free)})
 		}

@@ -21,7 +21,8 @@ import (
 //
 // The fast path pays one atomic load per write while nothing is stale.
 type staleGate struct {
-	n    atomic.Int32 // len(reqs), for the lock-free check
+	after time.Duration // Export.StaleAfter
+	n     atomic.Int32  // len(reqs), for the lock-free check
 	mu   sync.Mutex
 	reqs []staleReq
 }
@@ -37,11 +38,22 @@ type staleReq struct {
 // also clears requests that completed.
 const stalePoll = 5 * time.Millisecond
 
+// ticks is the stale mark in watchdog ticks: the slow mark (10 s, for
+// the kernel's default 30 s) unless the export says. A request read
+// just after a tick is marked at most one tick later than its age says.
+func (g *staleGate) ticks(wd *watchdog) uint32 {
+	if g.after <= 0 {
+		return wd.after
+	}
+	return max(1, uint32(g.after/wd.every))
+}
+
 func writeLike(cmd uint16) bool { return cmd == cmdWrite || cmd == cmdTrim || cmd == cmdWriteZeroes }
 
-// mark records c's write-like requests in the backend as stale (c.mu held).
+// mark records c's request r, in the backend, as stale if it writes
+// (c.mu held).
 func (g *staleGate) mark(c *conn, r *Request) {
-	if !writeLike(r.cmd) || r.state != reqBackend {
+	if !writeLike(r.cmd) {
 		return
 	}
 	g.mu.Lock()

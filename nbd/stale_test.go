@@ -11,13 +11,13 @@ import (
 
 // staleRig: one export on an async backend, served on two connections
 // as the kernel's are, with a fast watchdog.
-func staleRig(t *testing.T) (*asyncFake, [2]*tclient, *syncBuffer, *Shared) {
+func staleRig(t *testing.T, staleAfter time.Duration) (*asyncFake, [2]*tclient, *syncBuffer, *Shared) {
 	var logs syncBuffer
 	sh := NewShared(0)
 	sh.dog.every = 10 * time.Millisecond
 	dev := newAsync(4 << 20)
 	s := NewServer(Config{Shared: sh, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
-	s.AddExport(Export{Backend: dev})
+	s.AddExport(Export{Backend: dev, StaleAfter: staleAfter})
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 		defer cancel()
@@ -48,7 +48,7 @@ func noSubmit(t *testing.T, dev *asyncFake, within time.Duration) {
 // The copy must not reach the backend before the original has left it;
 // a write elsewhere must.
 func TestRetryWaitsForStaleWrite(t *testing.T) {
-	dev, cs, logs, sh := staleRig(t)
+	dev, cs, logs, sh := staleRig(t, 0)
 	cs[0].send(cmdWrite, 0, 1, 8192, 4096, pattern(4096, 1))
 	orig := dev.wait(t, 1)[0]
 	time.Sleep(time.Duration(slowAfter+3) * sh.dog.every)
@@ -83,7 +83,7 @@ func TestRetryWaitsForStaleWrite(t *testing.T) {
 // TestYoungOverlapNotHeld: overlapping writes in flight for less than
 // the slow mark are the client's business and go straight through.
 func TestYoungOverlapNotHeld(t *testing.T) {
-	dev, cs, _, _ := staleRig(t)
+	dev, cs, _, _ := staleRig(t, 0)
 	cs[0].send(cmdWrite, 0, 1, 0, 4096, pattern(4096, 1))
 	a := <-dev.got
 	cs[1].send(cmdWrite, 0, 2, 0, 4096, pattern(4096, 2))
@@ -101,7 +101,7 @@ func TestYoungOverlapNotHeld(t *testing.T) {
 // TestStaleReadNotHeld: reads are never held, and a stale read holds no
 // write.
 func TestStaleReadNotHeld(t *testing.T) {
-	dev, cs, _, sh := staleRig(t)
+	dev, cs, _, sh := staleRig(t, 0)
 	cs[0].send(cmdRead, 0, 1, 0, 4096, nil)
 	rd := <-dev.got
 	time.Sleep(time.Duration(slowAfter+3) * sh.dog.every)
@@ -114,5 +114,20 @@ func TestStaleReadNotHeld(t *testing.T) {
 	}
 	dev.finish(rd, nil)
 	cs[0].recv(4096)
+	cs[1].recv(0)
+}
+
+// TestStaleAfterFollowsTheExport: a device mapped with a short kernel
+// timeout has its writes marked stale sooner, before the kernel's retry.
+func TestStaleAfterFollowsTheExport(t *testing.T) {
+	dev, cs, _, sh := staleRig(t, 20*time.Millisecond) // two ticks
+	cs[0].send(cmdWrite, 0, 1, 0, 4096, pattern(4096, 1))
+	orig := <-dev.got
+	time.Sleep(4 * sh.dog.every) // under the default mark of five ticks
+	cs[1].send(cmdWrite, 0, 2, 0, 4096, pattern(4096, 2))
+	noSubmit(t, dev, 100*time.Millisecond)
+	dev.finish(orig, nil)
+	dev.finish(<-dev.got, nil)
+	cs[0].recv(0)
 	cs[1].recv(0)
 }
