@@ -21,8 +21,10 @@ import (
 )
 
 // Listen opens a CSI endpoint: unix:///path (unixsock.Listen: mode 0600,
-// a stale socket replaced) or tcp://host:port.
-func Listen(endpoint string) (net.Listener, error) {
+// a stale socket replaced) or tcp://host:port. With replaceLive, a unix
+// socket a live plugin serves is taken over too (unixsock.Replace): the
+// node plugin's old and new pods overlap in an upgrade.
+func Listen(endpoint string, replaceLive bool) (net.Listener, error) {
 	u, err := url.Parse(endpoint)
 	if err != nil {
 		return nil, fmt.Errorf("endpoint %q: %w", endpoint, err)
@@ -40,7 +42,10 @@ func Listen(endpoint string) (net.Listener, error) {
 			return nil, err
 		}
 		// 0600 from the first moment; a dead plugin's socket replaced,
-		// a live one's refused.
+		// a live one's refused unless asked.
+		if replaceLive {
+			return unixsock.Replace(path)
+		}
 		return unixsock.Listen(path)
 	case "tcp":
 		return net.Listen("tcp", u.Host)

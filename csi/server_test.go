@@ -25,7 +25,7 @@ func (panicImages) ImageInfo(o ceph.Options, spec ceph.ImageSpec) (ceph.ImageInf
 func TestServerInterceptors(t *testing.T) {
 	r := newRig(t)
 	sock := filepath.Join(r.dir, "csi.sock")
-	l, err := Listen("unix://" + sock)
+	l, err := Listen("unix://"+sock, false)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -35,7 +35,7 @@ func TestServerInterceptors(t *testing.T) {
 	if fi, err := os.Stat(sock); err != nil || fi.Mode().Perm() != 0o600 {
 		t.Fatalf("endpoint mode %v %v, want 0600", fi.Mode(), err)
 	}
-	if l2, err := Listen("unix://" + sock); err == nil {
+	if l2, err := Listen("unix://"+sock, false); err == nil {
 		l2.Close()
 		t.Fatal("a second plugin took a live endpoint")
 	}

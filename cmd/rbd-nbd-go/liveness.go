@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"os/signal"
@@ -9,6 +10,7 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"golang.org/x/sys/unix"
 
 	"github.com/rbd-nbd-go/rbd-nbd-go/csi/kubelet"
 )
@@ -29,7 +31,17 @@ func newLiveness(g *globalOpts) *cobra.Command {
 			if endpoint == "" {
 				endpoint = fmt.Sprintf("127.0.0.1:%d", port)
 			}
-			l, err := net.Listen("tcp", endpoint)
+			// SO_REUSEPORT: in an upgrade the old and new node pods
+			// overlap on the host's network; both probe whatever plugin
+			// the CSI socket leads to, the new one's.
+			lc := net.ListenConfig{Control: func(_, _ string, c syscall.RawConn) error {
+				var serr error
+				err := c.Control(func(fd uintptr) {
+					serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_REUSEPORT, 1)
+				})
+				return errors.Join(err, serr)
+			}}
+			l, err := lc.Listen(context.Background(), "tcp", endpoint)
 			if err != nil {
 				return err
 			}

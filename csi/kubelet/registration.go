@@ -48,16 +48,17 @@ func (r *Registration) Serve(ctx context.Context, dir string) error {
 		return err
 	}
 	path := r.SocketPath(dir)
-	l, err := unixsock.Listen(path)
+	// Replace: in an upgrade the old plugin pod still runs; the kubelet
+	// must find this one.
+	l, err := unixsock.Replace(path)
 	if err != nil {
 		return fmt.Errorf("registration socket: %w", err)
 	}
 	s := grpc.NewServer()
 	registerapi.RegisterRegistrationServer(s, r)
-	stop := context.AfterFunc(ctx, func() {
-		s.GracefulStop()
-		os.Remove(path)
-	})
+	// Stopping closes the listener, which removes the socket unless a
+	// newer plugin has replaced it.
+	stop := context.AfterFunc(ctx, s.GracefulStop)
 	defer stop()
 	r.log().Info("serving kubelet plugin registration", "socket", path, "endpoint", r.Endpoint)
 	err = s.Serve(l)
