@@ -83,6 +83,17 @@ type conn struct {
 	unread      int
 	stuckTicks  uint32
 	outq        int
+
+	// Pausing for a handover (handoff.go). pausing is set while a pause
+	// is asked of c: the reader's one look per request. Under mu: pz,
+	// that pause; readDone, the reader has returned. nudge wakes a
+	// reader parked idle at a request boundary. kernel: served by
+	// ServeNegotiated, so a new server can take the socket over.
+	pausing  atomic.Bool
+	pz       *connPause
+	readDone bool
+	nudge    chan struct{}
+	kernel   bool
 }
 
 // connSlots is how many requests' worth of queues a connection starts
@@ -113,6 +124,8 @@ func newConn(s *Server, w *wire, rd io.Reader, sess *session) *conn {
 		wake:       make(chan struct{}, 1),
 		stop:       make(chan struct{}),
 		exited:     make(chan struct{}),
+		nudge:      make(chan struct{}, 1),
+		kernel:     sess.kernel,
 	}
 	c.cond.L = &c.mu
 	c.send.init(w, k)
@@ -126,6 +139,7 @@ func (c *conn) serve() error {
 	defer c.pool.dog.remove(c)
 	go c.writer()
 	err := c.readLoop()
+	c.readEnded()
 	// Every request read must be answered before the socket closes.
 	c.waiting(true)
 	c.kick()
@@ -148,8 +162,8 @@ func (c *conn) serve() error {
 		c.srv.log.Warn("nbd: peer left lent read data unconsumed; leaking it rather than reusing it under the peer",
 			"loans", n, "remote", remote(c.w.nc))
 	}
-	if errors.Is(err, os.ErrDeadlineExceeded) && c.srv.isClosing() {
-		err = nil // Shutdown interrupted the read on purpose
+	if errors.Is(err, os.ErrDeadlineExceeded) && c.srv.isClosing() || err == errHandedOff {
+		err = nil // Shutdown interrupted the read on purpose, or Release took the socket
 	}
 	return err
 }
@@ -213,7 +227,9 @@ func (c *conn) acquire(payload int, h []byte) *Request {
 
 // readFull fills p from the socket like io.ReadFull, parking the reader
 // in the idle watcher whenever the socket stays quiet for IdleAfter.
-func (c *conn) readFull(p []byte) error {
+// boundary: p is a request header, so a pause may stop the reader
+// before its first byte (errPausePoint); never after it.
+func (c *conn) readFull(p []byte, boundary bool) error {
 	got := 0
 	for got < len(p) {
 		n, err := c.br.Read(p[got:])
@@ -221,13 +237,16 @@ func (c *conn) readFull(p []byte) error {
 		switch {
 		case err == nil:
 		case err == errIdle:
-			if err := c.park(); err != nil {
+			if err := c.park(boundary && got == 0); err != nil {
 				return err
 			}
 		case err == io.EOF && got > 0:
 			return io.ErrUnexpectedEOF
 		default:
-			return err
+			// nil: a pause's deadline cut a message short; read on.
+			if err := c.interrupted(err, boundary && got == 0); err != nil {
+				return err
+			}
 		}
 	}
 	return nil
@@ -236,16 +255,27 @@ func (c *conn) readFull(p []byte) error {
 // park waits in the idle watcher until the socket is readable. With
 // nothing buffered the read buffer goes back to the pool meanwhile: an
 // idle connection keeps no buffer and (see idleWatcher) no thread.
-func (c *conn) park() error {
+// At a request boundary a pause stops it instead (errPausePoint).
+func (c *conn) park(boundary bool) error {
+	var nudge <-chan struct{}
+	if boundary {
+		if c.pausing.Load() {
+			return errPausePoint
+		}
+		nudge = c.nudge
+	}
 	if c.br.Buffered() == 0 {
 		c.pool.putReader(c.br)
 		c.br = nil
 	}
 	c.parked.Store(true)
-	err := c.pool.idle.wait(c.w.fd)
+	nudged, err := c.pool.idle.wait(c.w.fd, nudge)
 	c.parked.Store(false)
 	if c.br == nil {
 		c.br = c.pool.reader(c.rd)
+	}
+	if err == nil && nudged {
+		return errPausePoint
 	}
 	return err
 }
@@ -258,13 +288,15 @@ func (c *conn) discard(n int) error {
 		switch {
 		case err == nil:
 		case err == errIdle:
-			if err := c.park(); err != nil {
+			if err := c.park(false); err != nil {
 				return err
 			}
 		case err == io.EOF:
 			return io.ErrUnexpectedEOF
 		default:
-			return err
+			if err := c.interrupted(err, false); err != nil {
+				return err
+			}
 		}
 	}
 	return nil
@@ -275,7 +307,15 @@ func (c *conn) readLoop() error {
 		if c.br.Buffered() < requestHeaderSize {
 			c.kick() // about to block in read: send what is ready
 		}
-		if err := c.readFull(c.hdr[:]); err != nil {
+		if c.pausing.Load() && c.atBoundary() {
+			if err := c.pausePoint(); err != nil {
+				return err
+			}
+		}
+		if err := c.readFull(c.hdr[:], true); err != nil {
+			if err == errPausePoint {
+				continue // nothing of a request read: stop at the top
+			}
 			return err
 		}
 		c.nread.Add(1)
@@ -314,7 +354,7 @@ func (c *conn) readLoop() error {
 				if c.br.Buffered() < payload {
 					c.kick() // the payload read will block
 				}
-				if err := c.readFull(r.Data); err != nil {
+				if err := c.readFull(r.Data, false); err != nil {
 					c.recycle([]*Request{r})
 					return err
 				}

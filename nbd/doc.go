@@ -17,6 +17,11 @@
 // Flusher, Trimmer, Zeroer, ...) are adapted by Inline, NewPool and
 // NewHybrid, and only what they implement is advertised.
 //
+// A rolling upgrade of the daemon moves live connections to a new server
+// without the kernel noticing: Server.Pause stops every connection at a
+// request boundary and drains it, then Paused.Release hands the sockets
+// over (and Paused.Resume calls the handover off).
+//
 // Data safety: a FLUSH is answered only after the backend's flush
 // returns, a FUA write only after the backend wrote it durably, and a
 // backend error always reaches the client as an NBD error (ErrnoOf). A

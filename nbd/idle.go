@@ -53,15 +53,16 @@ type idleWaiter struct {
 }
 
 // wait returns once fd is readable (or hung up, or shut down: the read
-// that follows tells which).
-func (iw *idleWatcher) wait(fd int) error {
+// that follows tells which), or once cancel (nil: never) is readable:
+// then fd is watched no more and cancelled is true.
+func (iw *idleWatcher) wait(fd int, cancel <-chan struct{}) (cancelled bool, err error) {
 	ch := make(chan struct{})
 	iw.mu.Lock()
 	if !iw.running {
 		epfd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
 		if err != nil {
 			iw.mu.Unlock()
-			return os.NewSyscallError("epoll_create1", err)
+			return false, os.NewSyscallError("epoll_create1", err)
 		}
 		iw.epfd, iw.running = epfd, true
 		if iw.waiters == nil {
@@ -75,17 +76,35 @@ func (iw *idleWatcher) wait(fd int) error {
 	ev := unix.EpollEvent{Events: unix.EPOLLIN | unix.EPOLLRDHUP | unix.EPOLLONESHOT,
 		Fd: int32(id), Pad: int32(id >> 32)}
 	// Registered under the lock: the loop closes epfd only when no
-	// waiter is left, and ours is not gone until it fired.
-	err := unix.EpollCtl(iw.epfd, unix.EPOLL_CTL_ADD, fd, &ev)
+	// waiter is left, and ours is not gone until it fired (or was
+	// cancelled, under the lock too).
+	err = unix.EpollCtl(iw.epfd, unix.EPOLL_CTL_ADD, fd, &ev)
 	if err != nil {
 		delete(iw.waiters, id)
 		iw.mu.Unlock()
-		return os.NewSyscallError("epoll_ctl", err)
+		return false, os.NewSyscallError("epoll_ctl", err)
 	}
 	iw.mu.Unlock()
 	releaseThread()
-	<-ch
-	return nil
+	select {
+	case <-ch:
+		return false, nil
+	case <-cancel:
+	}
+	// Unregistered before the caller goes on: it may hand fd to another
+	// process and close it, and a registration left behind would fire
+	// for the new owner's data. If the loop got there first, this was
+	// an ordinary wake-up. (With no waiter left the loop still waits
+	// for the next registration's event: one goroutine, as while
+	// anyone was parked.)
+	iw.mu.Lock()
+	defer iw.mu.Unlock()
+	if _, ok := iw.waiters[id]; !ok {
+		return false, nil
+	}
+	unix.EpollCtl(iw.epfd, unix.EPOLL_CTL_DEL, fd, nil)
+	delete(iw.waiters, id)
+	return true, nil
 }
 
 // releaseThread ends the OS thread that ran the goroutine which is about

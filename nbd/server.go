@@ -110,8 +110,9 @@ type Server struct {
 	exports   map[string]*Export
 	order     []*Export
 	listeners map[net.Listener]struct{}
-	conns     map[*wire]struct{}
+	conns     map[*wire]*conn // nil while in the handshake
 	closing   bool
+	pause     *Paused // the pause in force (handoff.go), if any
 	wg        sync.WaitGroup
 }
 
@@ -144,7 +145,7 @@ func NewServer(cfg Config) *Server {
 		pool:      cfg.Shared,
 		exports:   map[string]*Export{},
 		listeners: map[net.Listener]struct{}{},
-		conns:     map[*wire]struct{}{},
+		conns:     map[*wire]*conn{},
 	}
 }
 
@@ -273,11 +274,17 @@ func (s *Server) transmit(w *wire, br *bufio.Reader, sess *session) error {
 		return ErrServerClosed
 	}
 	r := w.detach(br, s.cfg.IdleAfter)
-	s.mu.Unlock()
 	if w.unix && s.cfg.SendBuffer > 0 {
 		SetSendBuffer(w.fd, s.cfg.SendBuffer)
 	}
 	c := newConn(s, w, r, sess)
+	s.conns[w] = c
+	if s.pause != nil {
+		// Begun during a pause: it joins it before reading a byte, so
+		// no connection escapes a handover.
+		s.pause.joinLocked(c)
+	}
+	s.mu.Unlock()
 	s.log.Debug("nbd connection", "remote", remote(nc), "export", sess.exp.Name,
 		"structured", sess.structured, "flags", fmt.Sprintf("%#x", uint16(c.tflags)))
 	err := c.serve()
@@ -294,7 +301,7 @@ func (s *Server) track(w *wire) bool {
 	if s.closing {
 		return false
 	}
-	s.conns[w] = struct{}{}
+	s.conns[w] = nil
 	s.wg.Add(1)
 	return true
 }
@@ -303,6 +310,9 @@ func (s *Server) untrack(w *wire) {
 	s.mu.Lock()
 	delete(s.conns, w)
 	w.close()
+	if w.released != nil {
+		close(w.released)
+	}
 	s.mu.Unlock()
 	s.wg.Done()
 }
@@ -316,6 +326,9 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	s.closing = true
 	for l := range s.listeners {
 		l.Close()
+	}
+	if s.pause != nil {
+		s.pause.endLocked() // paused readers go on, to read the end below
 	}
 	for w := range s.conns {
 		w.stopReading() // wakes the reader; replies still flow

@@ -165,7 +165,7 @@ func (c *conn) sampleUnread() {
 	}
 	c.outq = out
 	read := c.nread.Load()
-	if n <= 0 || read != c.lastRead {
+	if n <= 0 || read != c.lastRead || c.pausing.Load() { // a paused reader reads nothing on purpose
 		c.lastRead, c.unreadTicks, c.unread = read, 0, 0
 		return
 	}

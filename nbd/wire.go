@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -31,6 +32,14 @@ type wire struct {
 	// unix: fd is an AF_UNIX socket (its send buffer is ours to size,
 	// and it may splice).
 	unix bool
+	// rest holds what the handshake read ahead, read before the socket;
+	// nil if nothing was.
+	rest *bytes.Reader
+	// handed: the socket now belongs to another server (Paused.Release):
+	// it must never be shut down from here, only our descriptor closed.
+	// untrack closes released once it has closed it.
+	handed   atomic.Bool
+	released chan struct{}
 }
 
 func newWire(nc net.Conn) *wire { return &wire{nc: nc, fd: -1} }
@@ -77,7 +86,8 @@ func (w *wire) detach(br *bufio.Reader, idleAfter time.Duration) io.Reader {
 		}
 	}
 	if len(rest) > 0 {
-		r = io.MultiReader(bytes.NewReader(rest), r)
+		w.rest = bytes.NewReader(rest)
+		r = io.MultiReader(w.rest, r)
 	}
 	return r
 }
@@ -85,6 +95,9 @@ func (w *wire) detach(br *bufio.Reader, idleAfter time.Duration) io.Reader {
 // stopReading makes a blocked or future read return EOF while replies can
 // still be written.
 func (w *wire) stopReading() {
+	if w.handed.Load() {
+		return
+	}
 	if w.fd >= 0 {
 		unix.Shutdown(w.fd, unix.SHUT_RD)
 		return
@@ -98,6 +111,9 @@ func (w *wire) stopReading() {
 
 // abort shuts both directions down, waking a reader blocked in the kernel.
 func (w *wire) abort() {
+	if w.handed.Load() {
+		return
+	}
 	if w.fd >= 0 {
 		unix.Shutdown(w.fd, unix.SHUT_RDWR)
 		return
@@ -105,7 +121,8 @@ func (w *wire) abort() {
 	w.nc.Close()
 }
 
-// close releases the descriptor (server lock held).
+// close releases the descriptor (server lock held). It never shuts the
+// socket down: a handed-over socket lives on in its new owner's copy.
 func (w *wire) close() {
 	if w.f != nil {
 		w.f.Close()
