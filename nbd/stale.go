@@ -23,8 +23,8 @@ import (
 type staleGate struct {
 	after time.Duration // Export.StaleAfter
 	n     atomic.Int32  // len(reqs), for the lock-free check
-	mu   sync.Mutex
-	reqs []staleReq
+	mu    sync.Mutex
+	reqs  []staleReq
 }
 
 type staleReq struct {
