@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"syscall"
+	"time"
 )
 
 // ErrNoDaemon: nothing serves this node and no device is recorded.
@@ -136,7 +137,7 @@ func (c *Client) Call(ctx context.Context, req Request, start bool) (Response, e
 	if !start && !hasRecords(c.StateDir) {
 		return resp, ErrNoDaemon
 	}
-	if err := c.start(ctx); err != nil {
+	if err := c.start(ctx, false); err != nil {
 		return resp, err
 	}
 	return c.call(ctx, req)
@@ -146,8 +147,31 @@ func absent(err error) bool {
 	return errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ECONNREFUSED)
 }
 
-// call sends one request, bounded by ctx.
+// handoverWait bounds how long a request is retried while the daemon
+// hands its devices over: the new daemon answers on the same socket
+// within a second or two, or the handover is given up well before this.
+const handoverWait = 30 * time.Second
+
+// call sends one request, bounded by ctx, and sends it again while the
+// daemon answers that it is handing over, so that an upgrade of the
+// daemon is not seen by callers.
 func (c *Client) call(ctx context.Context, req Request) (Response, error) {
+	deadline := time.Now().Add(handoverWait)
+	for {
+		resp, err := c.callOnce(ctx, req)
+		if err != nil || resp.Code != CodeHandingOver || time.Now().After(deadline) {
+			return resp, err
+		}
+		select {
+		case <-ctx.Done():
+			return resp, nil
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
+
+// callOnce sends one request, bounded by ctx.
+func (c *Client) callOnce(ctx context.Context, req Request) (Response, error) {
 	var d net.Dialer
 	conn, err := d.DialContext(ctx, "unix", SocketPath(c.StateDir))
 	if err != nil {

@@ -38,7 +38,10 @@ type Request struct {
 const (
 	CodeNotMapped = "not_mapped"
 	CodeBusy      = "busy"
-	CodeError     = "error"
+	// CodeHandingOver: the daemon is passing its devices to a new one,
+	// which answers on the same socket in a moment; the client retries.
+	CodeHandingOver = "handing_over"
+	CodeError       = "error"
 )
 
 // sentinels cross the socket as codes, so a client's errors.Is sees what
@@ -55,6 +58,7 @@ func sentinels() []struct {
 	}{
 		{CodeNotMapped, ErrNotMapped},
 		{CodeBusy, ErrBusy},
+		{CodeHandingOver, ErrHandingOver},
 		{"image_not_found", ceph.ErrImageNotFound},
 		{"pool_not_found", ceph.ErrPoolNotFound},
 		{"permission", ceph.ErrPermission},
@@ -99,6 +103,10 @@ var ErrNotMapped = errors.New("not mapped")
 
 // ErrBusy: the device is mounted or held open exclusively.
 var ErrBusy = errors.New("device is busy")
+
+// ErrHandingOver: the daemon is handing its devices to a new daemon
+// (an upgrade); the same request succeeds once the new one answers.
+var ErrHandingOver = errors.New("the node daemon is handing its devices over to a new one")
 
 // Failure turns a daemon-side error into a response; its sentinel
 // survives the trip (Response.Err).

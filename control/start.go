@@ -27,6 +27,22 @@ type StartOptions struct {
 	NbdsMax, MaxPart int
 }
 
+// TakeOver starts a daemon from this executable that asks the running
+// one, if any, to hand its devices over, and returns once it serves. The
+// CSI node plugin calls it at start: a running daemon then belongs to the
+// plugin pod being replaced (an upgrade, with the pods overlapping), and
+// dies with it. Without a running daemon it is EnsureRunning. If the
+// running one refuses (or predates handovers), it serves on and is used.
+func (c *Client) TakeOver(ctx context.Context) error {
+	if err := c.Ping(ctx); err != nil {
+		if !absent(err) {
+			return err
+		}
+		return c.start(ctx, false)
+	}
+	return c.start(ctx, true)
+}
+
 // Ready-pipe words: a daemon writes ReadyOK once it serves, or
 // ReadyRunning when another daemon already holds the state directory,
 // or any other line saying why it stopped.
@@ -48,11 +64,32 @@ func (c *Client) EnsureRunning(ctx context.Context) error {
 	if err == nil || !absent(err) {
 		return err
 	}
-	return c.start(ctx)
+	return c.start(ctx, false)
+}
+
+// Supervise starts the daemon again whenever it stops answering (a kill,
+// a crash), checking every interval until ctx ends: its devices' I/O
+// waits for it meanwhile. A daemon started on demand would come only with
+// the next request, and the kernel fails I/O after the reattach timeout.
+func (c *Client) Supervise(ctx context.Context, interval time.Duration, log func(err error)) {
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		err := c.Ping(ctx)
+		if err == nil || !absent(err) {
+			continue
+		}
+		log(c.EnsureRunning(ctx))
+	}
 }
 
 // start runs the daemon and waits until it serves (or says why not).
-func (cl *Client) start(ctx context.Context) error {
+func (cl *Client) start(ctx context.Context, takeOver bool) error {
 	o, stateDir := cl.Start, cl.StateDir
 	if err := os.MkdirAll(stateDir, 0o700); err != nil {
 		return err
@@ -78,8 +115,12 @@ func (cl *Client) start(ctx context.Context) error {
 	if level == "" {
 		level = "info"
 	}
-	cmd := exec.Command(exe, "daemon", "--state-dir", stateDir, "--log-level", level,
-		"--nbds_max", strconv.Itoa(o.NbdsMax), "--max_part", strconv.Itoa(o.MaxPart), "--ready-fd", "3")
+	args := []string{"daemon", "--state-dir", stateDir, "--log-level", level,
+		"--nbds_max", strconv.Itoa(o.NbdsMax), "--max_part", strconv.Itoa(o.MaxPart), "--ready-fd", "3"}
+	if takeOver {
+		args = append(args, "--take-over")
+	}
+	cmd := exec.Command(exe, args...)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.ExtraFiles = []*os.File{pw}
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}

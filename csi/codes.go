@@ -35,7 +35,7 @@ func cephStatus(err error, what string) error {
 		c = codes.NotFound
 	case errors.Is(err, ceph.ErrPermission), errors.Is(err, ceph.ErrBadPassphrase):
 		c = codes.PermissionDenied
-	case errors.Is(err, ceph.ErrUnreachable):
+	case errors.Is(err, ceph.ErrUnreachable), errors.Is(err, control.ErrHandingOver):
 		c = codes.Unavailable
 	case errors.Is(err, ceph.ErrImageInUse), errors.Is(err, control.ErrBusy), errors.Is(err, ceph.ErrLocked):
 		c = codes.FailedPrecondition

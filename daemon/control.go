@@ -19,6 +19,13 @@ import (
 // one JSON response per connection. serving, if not nil, is called as a
 // map or attach request starts and what it returns once it is over.
 func Serve(ctx context.Context, l net.Listener, m *attach.Manager, log *slog.Logger, serving func() (done func())) error {
+	return serve(ctx, l, m, log, serving, nil)
+}
+
+// serve is Serve behind a handover's gate: while one runs, and after it
+// succeeded, requests other than ping are answered ErrHandingOver, which
+// the client retries until the new daemon answers them.
+func serve(ctx context.Context, l net.Listener, m *attach.Manager, log *slog.Logger, serving func() (done func()), gate *controlGate) error {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
@@ -41,6 +48,13 @@ func Serve(ctx context.Context, l net.Listener, m *attach.Manager, log *slog.Log
 				return
 			}
 			c.SetReadDeadline(time.Time{})
+			if gate != nil && req.Op != control.OpPing {
+				if !gate.enter() {
+					json.NewEncoder(c).Encode(control.Failure(control.ErrHandingOver))
+					return
+				}
+				defer gate.leave()
+			}
 			if serving != nil && (req.Op == control.OpMap || req.Op == control.OpAttach) {
 				defer serving()()
 			}

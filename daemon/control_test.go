@@ -11,8 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/rbd-nbd-go/rbd-nbd-go/attach"
 	"github.com/rbd-nbd-go/rbd-nbd-go/control"
 	"github.com/rbd-nbd-go/rbd-nbd-go/internal/unixsock"
@@ -40,21 +38,6 @@ func (k *fakeKernel) Connect(cfg kernel.Config, socks []*os.File) (int, error) {
 	}
 	k.socks[i] = dup
 	return i, nil
-}
-
-func dupFile(f *os.File) (*os.File, error) {
-	sc, err := f.SyscallConn()
-	if err != nil {
-		return nil, err
-	}
-	var out *os.File
-	var derr error
-	sc.Control(func(fd uintptr) {
-		var nfd int
-		nfd, derr = unix.FcntlInt(fd, unix.F_DUPFD_CLOEXEC, 0)
-		out = os.NewFile(uintptr(nfd), "kernel-end")
-	})
-	return out, derr
 }
 
 func (k *fakeKernel) Reconfigure(int, kernel.Reconfig, []*os.File) error { return nil }

@@ -16,6 +16,7 @@ import (
 	"path/filepath"
 	"runtime/pprof"
 	"strconv"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -46,6 +47,9 @@ type Config struct {
 	// MemoryBudget bounds payload bytes in flight over every device
 	// (attach.Config.MemoryBudget).
 	MemoryBudget int
+	// TakeOver: if another daemon holds the state directory, ask it to
+	// hand its devices over (an upgrade) instead of using it.
+	TakeOver bool
 	// IdleProcs is the scheduler's width while no device is served
 	// (procs); 0 means one P per CPU. The width while serving is the
 	// GOMAXPROCS the daemon starts with.
@@ -79,17 +83,19 @@ func Run(ctx context.Context, cfg Config) (err error) {
 			ready.Close()
 		}
 	}()
-	lock, err := lockState(cfg.StateDir)
-	if err != nil {
+	lock, tk, err := ownState(cfg, log)
+	if err != nil || lock == nil {
+		if err == nil {
+			fmt.Fprintln(ready, control.ReadyRunning)
+		}
 		return err
 	}
-	if lock == nil {
-		fmt.Fprintln(ready, control.ReadyRunning)
-		return nil
-	}
 	defer lock.Close()
-	if stop := startCPUProfile(cfg.CPUProfile); stop != nil {
-		defer stop()
+	if tk != nil {
+		defer tk.close() // what was not adopted: the kernel sees it die
+	}
+	if stopProfile := startCPUProfile(cfg.CPUProfile); stopProfile != nil {
+		defer stopProfile()
 	}
 	protectFromReclaim(log)
 	sysmon.Setup(log)
@@ -102,24 +108,55 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	if err != nil {
 		return fmt.Errorf("sessions record: %w", err)
 	}
-	m, l, err := takeBack(cfg, ctl, rbdio.NewClustersWith(fence.hooks()), log)
+	m, l, hl, err := takeBack(cfg, ctl, rbdio.NewClustersWith(fence.hooks()), tk, log)
 	if err != nil {
 		return err
 	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var handedOver atomic.Bool
+	g := &giver{m: m, gate: &controlGate{}, lock: lock, control: l, hand: hl, fence: fence, log: log}
+	go g.serveHandovers(ctx, func() { handedOver.Store(true); cancel() })
 	sched := startBackground(ctx, cfg, ctl, m, log)
 	log.Info("serving NBD devices", "pid", os.Getpid(), "kernel", ctl.Name(), "state", cfg.StateDir,
 		"devices", len(m.List()))
 	fmt.Fprintln(ready, control.ReadyOK)
 	ready.Close()
 	readied = true
-	serr := Serve(ctx, l, m, log, sched.serving)
-	log.Info("stopping; devices stay mapped for the next daemon")
-	cerr := m.Close()
-	if cerr == nil {
-		// Every image closed, every lock released: nothing to fence.
-		cerr = fence.clean()
+	serr := serve(ctx, l, m, log, sched.serving, g.gate)
+	if handedOver.Load() {
+		log.Info("handed every device over to the new daemon; exiting")
+		return nil
 	}
-	return errors.Join(serr, cerr)
+	return errors.Join(serr, stop(m, fence, log))
+}
+
+// stop ends serving; the devices stay in the kernel for the next daemon.
+func stop(m *attach.Manager, fence *fencer, log *slog.Logger) error {
+	log.Info("stopping; devices stay mapped for the next daemon")
+	err := m.Close()
+	if err == nil {
+		// Every image closed, every lock released: nothing to fence.
+		err = fence.clean()
+	}
+	return err
+}
+
+// ownState makes this process the state directory's daemon: it takes
+// the lock, or with cfg.TakeOver has the running daemon hand it over
+// with its devices (tk). A nil lock and nil error: another daemon
+// serves, and keeps serving.
+func ownState(cfg Config, log *slog.Logger) (lock *os.File, tk *taken, err error) {
+	if lock, err = lockState(cfg.StateDir); err != nil || lock != nil || !cfg.TakeOver {
+		return lock, nil, err
+	}
+	if tk, err = take(cfg.StateDir, log); err != nil {
+		log.Warn("not taking over: the running daemon serves on", "err", err)
+		return nil, nil, nil
+	}
+	lock, tk.lock = tk.lock, nil
+	writePID(lock)
+	return lock, tk, nil
 }
 
 // lockState takes the state directory's daemon lock, writing our pid in
@@ -136,9 +173,15 @@ func lockState(dir string) (*os.File, error) {
 		lock.Close()
 		return nil, nil
 	}
-	lock.Truncate(0)
-	lock.WriteString(strconv.Itoa(os.Getpid()) + "\n")
+	writePID(lock)
 	return lock, nil
+}
+
+// writePID records our pid in the lock file (for people; the lock is
+// the flock).
+func writePID(lock *os.File) {
+	lock.Truncate(0)
+	lock.WriteAt([]byte(strconv.Itoa(os.Getpid())+"\n"), 0)
 }
 
 // startCPUProfile profiles the whole run into path, if set; the returned
@@ -169,24 +212,42 @@ func openKernel(cfg Config) (kernel.Controller, error) {
 	return ctl, nil
 }
 
-// takeBack reattaches every device the state directory records, then
-// opens the control socket: a client that reaches it finds them served.
-func takeBack(cfg Config, ctl kernel.Controller, clusters *rbdio.Clusters, log *slog.Logger) (*attach.Manager, net.Listener, error) {
+// takeBack serves every device the state directory records: those a
+// previous daemon handed over (tk), then the rest by reattach. Only
+// then does it open the control and handover sockets (or take the
+// handed ones): a client that reaches them finds the devices served.
+func takeBack(cfg Config, ctl kernel.Controller, clusters *rbdio.Clusters, tk *taken, log *slog.Logger) (*attach.Manager, net.Listener, net.Listener, error) {
 	store, err := attach.OpenStore(cfg.StateDir)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	m := attach.NewManager(attach.Config{Kernel: ctl, Clusters: clusters, Store: store, Log: log,
 		MemoryBudget: cfg.MemoryBudget})
+	if tk != nil {
+		t0 := time.Now()
+		err := m.Adopt(tk.handed)
+		tk.handed = nil // the manager's, or closed by Adopt
+		tk.done(len(m.List()), err)
+		log.Info("took over from the previous daemon", "devices", len(m.List()), "took", time.Since(t0).Round(time.Millisecond), "err", err)
+	}
 	if err := m.Restore(); err != nil {
 		log.Error("some devices were not reattached", "err", err)
 	}
-	l, err := unixsock.Listen(control.SocketPath(cfg.StateDir))
-	if err != nil {
-		m.Close()
-		return nil, nil, err
+	var l, hl net.Listener
+	if tk != nil {
+		l, hl, tk.control, tk.hand = tk.control, tk.hand, nil, nil
+	} else {
+		if l, err = unixsock.Listen(control.SocketPath(cfg.StateDir)); err == nil {
+			if hl, err = unixsock.ListenSeqpacket(HandoverSocket(cfg.StateDir)); err != nil {
+				l.Close()
+			}
+		}
+		if err != nil {
+			m.Close()
+			return nil, nil, nil, err
+		}
 	}
-	return m, l, nil
+	return m, l, hl, nil
 }
 
 // startBackground starts what runs beside the control socket: the

@@ -151,11 +151,17 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 		// dead-connection timeout fails their I/O.
 		// If it cannot start (no NBD in this kernel), the plugin still
 		// serves: Probe says not ready, and the next map tries again.
+		// A daemon already running belongs to the plugin pod this one
+		// replaces (an upgrade with the pods overlapping): take its
+		// devices over, so they never see a dead connection.
 		sctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
-		if err := c.EnsureRunning(sctx); err != nil {
+		if err := c.TakeOver(sctx); err != nil {
 			log.Error("the node daemon is not running", "err", err)
 		}
 		cancel()
+		go c.Supervise(ctx, time.Second, func(err error) {
+			log.Warn("the node daemon had stopped answering: started it again", "err", err)
+		})
 		cfg.Daemon = c
 		cfg.Mounter = mount.NewSafeFormatAndMount(mount.New(""), utilexec.New())
 	}
@@ -163,7 +169,7 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 	if err != nil {
 		return err
 	}
-	l, err := csi.Listen(o.endpoint)
+	l, err := csi.Listen(o.endpoint, o.node)
 	if err != nil {
 		return err
 	}

@@ -23,6 +23,7 @@ import (
 func newDaemon(g *globalOpts, procs int) *cobra.Command {
 	var mod kernel.ModuleOptions
 	readyFD := -1
+	takeOver := false
 	budget := os.Getenv(memoryBudgetEnv)
 	if budget == "" {
 		budget = "512M"
@@ -51,7 +52,7 @@ func newDaemon(g *globalOpts, procs int) *cobra.Command {
 			defer stop()
 			signal.Ignore(syscall.SIGHUP, syscall.SIGPIPE)
 			err = daemon.Run(ctx, daemon.Config{StateDir: g.stateDir, Module: mod, Log: logger(g.logLevel),
-				Ready: ready, MemoryBudget: int(b), IdleProcs: procs,
+				Ready: ready, MemoryBudget: int(b), IdleProcs: procs, TakeOver: takeOver,
 				// Test and development hooks.
 				KernelInterface: os.Getenv("RBD_NBD_GO_KERNEL_INTERFACE"),
 				CPUProfile:      os.Getenv("RBD_NBD_GO_CPU_PROFILE")})
@@ -65,6 +66,7 @@ func newDaemon(g *globalOpts, procs int) *cobra.Command {
 	f.IntVar(&mod.NbdsMax, "nbds_max", 0, "nbd module parameter, if the daemon loads the module")
 	f.IntVar(&mod.MaxPart, "max_part", 0, "nbd module parameter, if the daemon loads the module")
 	f.IntVar(&readyFD, "ready-fd", -1, "write \"ok\" (or the error) here once serving")
+	f.BoolVar(&takeOver, "take-over", false, "if a daemon serves the state directory, take its devices over (an upgrade)")
 	f.StringVar(&budget, "memory-budget", budget,
 		"payload memory that requests may hold in flight over all devices (default $"+memoryBudgetEnv+" or 512M; a daemon started on demand inherits the environment)")
 	return cmd

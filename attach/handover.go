@@ -1,0 +1,226 @@
+package attach
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/control"
+	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
+)
+
+// Handover: passing every device to a new daemon process (an upgrade)
+// without the kernel ever seeing a dead connection. The kernel re-sends
+// a request the old server read but did not answer only when its timer
+// fires (30 s), so a restart that drops sockets stalls every volume for
+// that long. Instead the old daemon stops reading each socket at a
+// request boundary, answers everything it read, closes its images (so
+// their exclusive locks are free), and gives its socket ends to the new
+// daemon, which opens the images and reads on. The two never read one
+// socket, nor hold one image for writing, at the same time.
+
+// Handed is one device as it passes to the new daemon: its record and
+// our ends of its kernel sockets (none for a detached device).
+type Handed struct {
+	Rec   control.Record
+	Conns []*os.File
+}
+
+// Handover is the old daemon's side, from the moment every device is
+// paused until Release or Abort. It holds every device's lock
+// meanwhile, so no map, unmap, resize or reattach runs across it.
+type Handover struct {
+	m      *Manager
+	devs   []*device
+	paused []*nbd.Paused // per device; nil for a detached one
+	done   bool
+}
+
+// HandOver pauses every served device: no socket is read any more, and
+// every request read has been answered. If ctx ends first (a request
+// stuck in the backend), everything is resumed and the error returned:
+// the daemon goes on serving as if nothing happened.
+func (m *Manager) HandOver(ctx context.Context) (*Handover, error) {
+	m.mu.Lock()
+	devs := make([]*device, 0, len(m.devs))
+	for _, d := range m.devs {
+		devs = append(devs, d)
+	}
+	m.mu.Unlock()
+	// One order for everyone who takes several device locks.
+	sort.Slice(devs, func(i, j int) bool { return devs[i].rec.Index < devs[j].rec.Index })
+	for _, d := range devs {
+		d.mu.Lock()
+	}
+	h := &Handover{m: m, devs: devs, paused: make([]*nbd.Paused, len(devs))}
+	errs := make([]error, len(devs))
+	var wg sync.WaitGroup
+	for i, d := range devs {
+		if d.s == nil {
+			continue
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			h.paused[i], errs[i] = d.s.srv.Pause(ctx)
+			if errs[i] != nil {
+				errs[i] = fmt.Errorf("%s: %w", d.rec.Device(), errs[i])
+			}
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		h.Abort()
+		return nil, fmt.Errorf("pause for handover: %w", err)
+	}
+	return h, nil
+}
+
+// Devices is what will be handed over, in index order.
+func (h *Handover) Devices() []control.Record {
+	out := make([]control.Record, len(h.devs))
+	for i, d := range h.devs {
+		out[i] = d.rec
+	}
+	return out
+}
+
+// Abort resumes every paused device: the handover did not happen.
+func (h *Handover) Abort() {
+	if h.done {
+		return
+	}
+	h.done = true
+	for i, p := range h.paused {
+		if p != nil {
+			p.Resume()
+		}
+		h.devs[i].mu.Unlock()
+	}
+}
+
+// Release takes our socket ends out of the NBD servers, finishes with
+// every backend (flush, close: the image's lock is free once this
+// returns) and forgets every device; their records stay in the store
+// for the new daemon. Errors closing a backend are returned but do not
+// stop the handover: every request was answered, with librbd's word
+// that what it acknowledged is durable.
+func (h *Handover) Release() ([]Handed, error) {
+	if h.done {
+		return nil, errors.New("handover already ended")
+	}
+	h.done = true
+	out := make([]Handed, len(h.devs))
+	errs := make([]error, len(h.devs))
+	var wg sync.WaitGroup
+	for i, d := range h.devs {
+		out[i].Rec = d.rec
+		if d.s == nil {
+			continue
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			handed, err := h.paused[i].Release()
+			for _, c := range handed {
+				out[i].Conns = append(out[i].Conns, c.File)
+			}
+			errs[i] = errors.Join(err, d.stopServing())
+			if errs[i] != nil {
+				errs[i] = fmt.Errorf("%s: %w", d.rec.Device(), errs[i])
+			}
+		}()
+	}
+	wg.Wait()
+	h.m.mu.Lock()
+	for _, d := range h.devs {
+		if h.m.devs[d.rec.Index] == d {
+			delete(h.m.devs, d.rec.Index)
+		}
+	}
+	h.m.mu.Unlock()
+	for _, d := range h.devs {
+		d.mu.Unlock()
+	}
+	return out, errors.Join(errs...)
+}
+
+// adoptWidth bounds the images opened at once by Adopt: each open is a
+// few round trips to the cluster, and the devices stall until theirs is
+// done.
+const adoptWidth = 8
+
+// Adopt is the new daemon's side: it opens each handed device's backend
+// (taking its lock, which the old daemon released) and serves the
+// sockets it was given, with no RECONFIGURE: the kernel never saw them
+// change hands. A device whose backend does not open has its sockets
+// closed, so the kernel marks them dead and Restore's reattach takes it
+// back the usual way; those errors are returned.
+func (m *Manager) Adopt(handed []Handed) error {
+	errs := make([]error, len(handed))
+	sem := make(chan struct{}, adoptWidth)
+	var wg sync.WaitGroup
+	for i, h := range handed {
+		if len(h.Conns) == 0 {
+			rec := h.Rec
+			rec.Detached = true
+			m.mu.Lock()
+			m.devs[rec.Index] = &device{rec: rec}
+			m.mu.Unlock()
+			continue
+		}
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer func() { <-sem; wg.Done() }()
+			if errs[i] = m.adopt(h); errs[i] != nil {
+				closeAll(h.Conns)
+				errs[i] = fmt.Errorf("adopt %s: %w", h.Rec.Device(), errs[i])
+			}
+		}()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+func (m *Manager) adopt(h Handed) error {
+	t0 := time.Now()
+	rec, err := m.withPassphrase(h.Rec)
+	if err != nil {
+		return err
+	}
+	d := &device{rec: rec}
+	s, err := newServed(rec, m.backendOptions(d), m.shared, m.log)
+	if err != nil {
+		return err
+	}
+	m.watchIdle(d, s)
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.rec, err = m.keepPassphrase(d.rec); err != nil {
+		s.stop(5 * time.Second)
+		return err
+	}
+	m.mu.Lock()
+	if m.devs[rec.Index] != nil {
+		m.mu.Unlock()
+		s.stop(5 * time.Second)
+		return fmt.Errorf("%s is already served here", rec.Device())
+	}
+	d.s = s
+	m.devs[rec.Index] = d
+	m.mu.Unlock()
+	if err := s.serve(h.Conns, m.log); err != nil {
+		m.drop(rec.Index)
+		d.s = nil
+		s.stop(5 * time.Second)
+		return err
+	}
+	m.log.Info("adopted from the previous daemon", "device", rec.Device(), "spec", rec.Spec,
+		"connections", len(h.Conns), "took", time.Since(t0).Round(time.Millisecond))
+	return nil
+}
