@@ -32,6 +32,7 @@ type csiOpts struct {
 	controllerSecretDir          string
 	registrationPath             string
 	registrationDir              string
+	healthEndpoint               string
 
 	// ceph-csi's own flags, so its Deployment's arguments work unchanged.
 	driverType       string
@@ -77,6 +78,8 @@ StorageClass parameters and Secret keys are ceph-csi's.`,
 		"directory shared by controller and nodes: nodes register there, and ControllerPublish knows them besides the CSINodes (in Kubernetes) and its own node")
 	f.StringVar(&o.registrationPath, "kubelet-registration-path", "",
 		"register the node plugin with the kubelet, giving it this host path of the CSI socket (leave empty when node-driver-registrar does it)")
+	f.StringVar(&o.healthEndpoint, "health-endpoint", "",
+		"also serve CSI on this unix:// endpoint, private to the pod, for exec probes (liveness --once): the shared CSI socket may lead to another pod's plugin in an upgrade")
 	f.StringVar(&o.registrationDir, "plugin-registration-dir", kubelet.DefaultRegistrationDir,
 		"the kubelet's plugin registration directory, as mounted in this container")
 	// ceph-csi's flags, with its names and defaults.
@@ -173,6 +176,15 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 	if err != nil {
 		return err
 	}
+	var more []net.Listener
+	if o.healthEndpoint != "" {
+		hl, err := csi.Listen(o.healthEndpoint, false)
+		if err != nil {
+			l.Close()
+			return err
+		}
+		more = append(more, hl)
+	}
 	// The registration socket opens beside the CSI socket, which already
 	// listens: the kubelet calls NodeGetInfo as soon as it learns of us.
 	// Either failing stops the other, and the plugin exits with the error.
@@ -184,7 +196,7 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 		}
 	}
 	eg, ectx := errgroup.WithContext(ctx)
-	eg.Go(func() error { return d.Serve(ectx, l) })
+	eg.Go(func() error { return d.Serve(ectx, l, more...) })
 	if pl != nil {
 		eg.Go(func() error { return profiling.Serve(ectx, pl, log) })
 	}

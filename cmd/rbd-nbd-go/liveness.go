@@ -2,15 +2,14 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net"
+	"os"
 	"os/signal"
 	"syscall"
 	"time"
 
 	"github.com/spf13/cobra"
-	"golang.org/x/sys/unix"
 
 	"github.com/rbd-nbd-go/rbd-nbd-go/csi/kubelet"
 )
@@ -22,32 +21,30 @@ func newLiveness(g *globalOpts) *cobra.Command {
 		addr, endpoint string
 		port           int
 		timeout        time.Duration
+		once           bool
 	)
 	cmd := &cobra.Command{
 		Use:   "liveness --csi-address /csi/csi.sock [--http-endpoint 127.0.0.1:9808]",
 		Short: "Serve /healthz for the kubelet by calling the CSI plugin's Probe",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
+			lv := &kubelet.Liveness{CSIAddress: addr, ProbeTimeout: timeout, Log: logger(g.logLevel)}
+			if once {
+				if err := lv.Once(context.Background()); err != nil {
+					fmt.Fprintln(os.Stderr, err)
+					return &exitError{code: 1}
+				}
+				return nil
+			}
 			if endpoint == "" {
 				endpoint = fmt.Sprintf("127.0.0.1:%d", port)
 			}
-			// SO_REUSEPORT: in an upgrade the old and new node pods
-			// overlap on the host's network; both probe whatever plugin
-			// the CSI socket leads to, the new one's.
-			lc := net.ListenConfig{Control: func(_, _ string, c syscall.RawConn) error {
-				var serr error
-				err := c.Control(func(fd uintptr) {
-					serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_REUSEPORT, 1)
-				})
-				return errors.Join(err, serr)
-			}}
-			l, err := lc.Listen(context.Background(), "tcp", endpoint)
+			l, err := net.Listen("tcp", endpoint)
 			if err != nil {
 				return err
 			}
 			ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 			defer stop()
-			lv := &kubelet.Liveness{CSIAddress: addr, ProbeTimeout: timeout, Log: logger(g.logLevel)}
 			return lv.Serve(ctx, l)
 		},
 	}
@@ -56,5 +53,6 @@ func newLiveness(g *globalOpts) *cobra.Command {
 	f.IntVar(&port, "health-port", 9808, "port on 127.0.0.1 for /healthz (unless --http-endpoint)")
 	f.StringVar(&endpoint, "http-endpoint", "", "host:port for /healthz (default 127.0.0.1:<health-port>; loopback unless told otherwise)")
 	f.DurationVar(&timeout, "probe-timeout", time.Second, "how long one Probe may take")
+	f.BoolVar(&once, "once", false, "probe once and exit 0 if ready, 1 if not (a kubelet exec probe)")
 	return cmd
 }

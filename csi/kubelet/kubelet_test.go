@@ -127,6 +127,10 @@ func TestLiveness(t *testing.T) {
 		if c.err != nil && !strings.Contains(string(body), "no daemon") {
 			t.Errorf("%s: body %q lacks the reason", c.name, body)
 		}
+		// The exec probe's answer is the same.
+		if err := lv.Once(ctx); (err == nil) != (c.want == 200) {
+			t.Errorf("%s: Once says %v, want ok=%v", c.name, err, c.want == 200)
+		}
 	}
 	// A plugin that is gone fails the probe rather than hanging it.
 	gs.Stop()
