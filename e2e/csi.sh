@@ -5,7 +5,8 @@
 #         mounts: upstream csi-sanity v5.6.0 (whole suite, mount and
 #         block), a volume's life as Kubernetes plays it, Retain and a
 #         static volume, online expand of ext4 and xfs under fio verify,
-#         restart survival (SIGKILL and SIGTERM) under fio verify, bad
+#         restart survival (SIGKILL and SIGTERM) and an upgrade's daemon
+#         handover (the plugins overlapping) under fio verify, bad
 #         input, stage/unstage times beside ceph-csi's commands, and
 #         snapshots, restores and clones of mounted volumes (data byte for
 #         byte, the freeze, every delete order, times beside ceph-csi's),
@@ -25,10 +26,10 @@ scenario_go() {
 		timeout -k 10 2400 "$T" -test.v -test.count=1 -test.timeout 38m) >"$out" 2>&1
 	rc=$?
 	# What the note reports: sanity's counts, the times, the stalls.
-	sed 's/\x1b\[[0-9;]*m//g' "$out" | grep -aE '^(Ran |SUCCESS|FAIL!)|took|longest|fio measured|grew online|plugin back|first stage|second stage|snapshot of a mounted|restore to|pool and trash|^\s*(--- |ok|FAIL)' |
+	sed 's/\x1b\[[0-9;]*m//g' "$out" | grep -aE '^(Ran |SUCCESS|FAIL!)|took|longest|fio measured|grew online|plugin back|upgrade:|first stage|second stage|snapshot of a mounted|restore to|pool and trash|^\s*(--- |ok|FAIL)' |
 		sed 's/^/e2e:   /'
 	local tst
-	for tst in TestSanity TestVolumeLifecycle TestRetainAndStaticVolume TestOnlineExpand TestRestartSurvival TestBadInput TestStageTimeVsCephCSI \
+	for tst in TestSanity TestVolumeLifecycle TestRetainAndStaticVolume TestOnlineExpand TestRestartSurvival TestUpgradeHandover TestBadInput TestStageTimeVsCephCSI \
 		TestSnapshotRestoreCloneMounted TestSnapshotTimeVsCephCSI TestQoSLiveModify TestEncryptedVolume TestCephCSIEncryptedVolumeOpens; do
 		check "$tst" grep -q "^--- PASS: $tst " "$out"
 	done
