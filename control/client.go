@@ -122,8 +122,32 @@ func (c *Client) Status(ctx context.Context, target string, usage bool) (Status,
 
 // Ping reports whether a daemon answers, without starting one.
 func (c *Client) Ping(ctx context.Context) error {
-	_, err := c.call(ctx, Request{Op: OpPing})
+	_, err := c.Instance(ctx)
 	return err
+}
+
+// Instance is the answering daemon's instance word.
+func (c *Client) Instance(ctx context.Context) (string, error) {
+	resp, err := c.call(ctx, Request{Op: OpPing})
+	return resp.Instance, err
+}
+
+// WaitTakenOver waits, until ctx ends, for the daemon instance to stop
+// answering: taken over by a newer daemon, or gone. A node plugin being
+// stopped calls it: its daemon dies with its pod, and in an upgrade the
+// new pod's daemon may not have taken the devices over yet.
+func (c *Client) WaitTakenOver(ctx context.Context, instance string) error {
+	for {
+		cur, err := c.Instance(ctx)
+		if err != nil || cur != instance {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
 }
 
 // Call sends req to the daemon. When none answers it starts one if

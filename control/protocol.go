@@ -71,12 +71,15 @@ func sentinels() []struct {
 
 // Response is the daemon's answer. Records in it never carry secrets.
 type Response struct {
-	Code   string   `json:"code,omitempty"`
-	Error  string   `json:"error,omitempty"`
-	PID    int      `json:"pid"`
-	Record *Record  `json:"record,omitempty"`
-	List   []Record `json:"list,omitempty"`
-	Status *Status  `json:"status,omitempty"`
+	Code  string `json:"code,omitempty"`
+	Error string `json:"error,omitempty"`
+	PID   int    `json:"pid"`
+	// Instance tells daemons apart (pids repeat across containers): a
+	// random word each daemon picks at start.
+	Instance string   `json:"instance,omitempty"`
+	Record   *Record  `json:"record,omitempty"`
+	List     []Record `json:"list,omitempty"`
+	Status   *Status  `json:"status,omitempty"`
 }
 
 // Status is how a device is doing, as the daemon sees it: what a CSI

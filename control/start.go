@@ -10,6 +10,7 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -67,11 +68,37 @@ func (c *Client) EnsureRunning(ctx context.Context) error {
 	return c.start(ctx, false)
 }
 
+// PluginDaemon is a CSI node plugin's hold on the node daemon: taken
+// over (or started) when the plugin starts, started again whenever it
+// stops answering, and, when the plugin stops, kept serving until a
+// newer daemon has taken its devices over.
+type PluginDaemon struct {
+	c    *Client
+	mine atomic.Value // string: the instance this plugin started
+}
+
+// StartForPlugin is TakeOver, remembering which daemon is the plugin's.
+func (c *Client) StartForPlugin(ctx context.Context) (*PluginDaemon, error) {
+	p := &PluginDaemon{c: c}
+	p.mine.Store("")
+	err := c.TakeOver(ctx)
+	if err == nil {
+		p.remember(ctx)
+	}
+	return p, err
+}
+
+func (p *PluginDaemon) remember(ctx context.Context) {
+	if inst, err := p.c.Instance(ctx); err == nil {
+		p.mine.Store(inst)
+	}
+}
+
 // Supervise starts the daemon again whenever it stops answering (a kill,
 // a crash), checking every interval until ctx ends: its devices' I/O
 // waits for it meanwhile. A daemon started on demand would come only with
 // the next request, and the kernel fails I/O after the reattach timeout.
-func (c *Client) Supervise(ctx context.Context, interval time.Duration, log func(err error)) {
+func (p *PluginDaemon) Supervise(ctx context.Context, interval time.Duration, log func(err error)) {
 	t := time.NewTicker(interval)
 	defer t.Stop()
 	for {
@@ -80,12 +107,29 @@ func (c *Client) Supervise(ctx context.Context, interval time.Duration, log func
 			return
 		case <-t.C:
 		}
-		err := c.Ping(ctx)
+		err := p.c.Ping(ctx)
 		if err == nil || !absent(err) {
 			continue
 		}
-		log(c.EnsureRunning(ctx))
+		err = p.c.EnsureRunning(ctx)
+		if err == nil {
+			p.remember(ctx)
+		}
+		log(err)
 	}
+}
+
+// Release waits, up to wait, for the plugin's daemon to be taken over or
+// gone. A stopped plugin's daemon dies with its pod. In an upgrade the
+// new pod may count as started before its daemon took over (its probes
+// share the old pod's port and CSI socket), and the DaemonSet then stops
+// the old pod: waiting here keeps the devices served until the handover,
+// instead of dropping their sockets. It reports whether it was taken over.
+func (p *PluginDaemon) Release(wait time.Duration) bool {
+	ctx, cancel := context.WithTimeout(context.Background(), wait)
+	defer cancel()
+	mine, _ := p.mine.Load().(string)
+	return mine != "" && p.c.WaitTakenOver(ctx, mine) == nil
 }
 
 // start runs the daemon and waits until it serves (or says why not).

@@ -67,17 +67,13 @@ func (d *Driver) Server() *grpc.Server {
 	return s
 }
 
-// Serve answers on l, and on more listeners if given (the node plugin's
-// pod-local health endpoint), until ctx ends, then stops gracefully.
-func (d *Driver) Serve(ctx context.Context, l net.Listener, more ...net.Listener) error {
+// Serve answers on l until ctx ends, then stops gracefully.
+func (d *Driver) Serve(ctx context.Context, l net.Listener) error {
 	s := d.Server()
 	stop := context.AfterFunc(ctx, s.GracefulStop)
 	defer stop()
 	d.log.Info("serving CSI", "driver", d.cfg.Name, "controller", d.cfg.Controller, "node", d.cfg.Node,
 		"nodeid", d.cfg.NodeID, "endpoint", l.Addr().String())
-	for _, m := range more {
-		go s.Serve(m) // ends with the server
-	}
 	if d.cfg.Controller {
 		sctx, cancel := context.WithCancel(ctx)
 		done := make(chan struct{})

@@ -19,13 +19,15 @@ import (
 // one JSON response per connection. serving, if not nil, is called as a
 // map or attach request starts and what it returns once it is over.
 func Serve(ctx context.Context, l net.Listener, m *attach.Manager, log *slog.Logger, serving func() (done func())) error {
-	return serve(ctx, l, m, log, serving, nil)
+	return serve(ctx, l, m, log, serving, nil, "")
 }
 
 // serve is Serve behind a handover's gate: while one runs, and after it
 // succeeded, requests other than ping are answered ErrHandingOver, which
 // the client retries until the new daemon answers them.
-func serve(ctx context.Context, l net.Listener, m *attach.Manager, log *slog.Logger, serving func() (done func()), gate *controlGate) error {
+//
+// instance is told with every answer (control.Response.Instance).
+func serve(ctx context.Context, l net.Listener, m *attach.Manager, log *slog.Logger, serving func() (done func()), gate *controlGate, instance string) error {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
@@ -59,7 +61,7 @@ func serve(ctx context.Context, l net.Listener, m *attach.Manager, log *slog.Log
 				defer serving()()
 			}
 			resp := handle(m, req)
-			resp.PID = os.Getpid()
+			resp.PID, resp.Instance = os.Getpid(), instance
 			json.NewEncoder(c).Encode(resp)
 		}()
 	}

@@ -7,6 +7,8 @@ package daemon
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -123,7 +125,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	fmt.Fprintln(ready, control.ReadyOK)
 	ready.Close()
 	readied = true
-	serr := serve(ctx, l, m, log, sched.serving, g.gate)
+	serr := serve(ctx, l, m, log, sched.serving, g.gate, newInstance())
 	if handedOver.Load() {
 		log.Info("handed every device over to the new daemon; exiting")
 		return nil
@@ -270,6 +272,13 @@ func startBackground(ctx context.Context, cfg Config, ctl kernel.Controller, m *
 		log.Info("memory given back", append(append([]any{"took", time.Since(t0).Round(time.Millisecond)}, goMemory()...), rbdio.CMemory()...)...)
 	})
 	return sched
+}
+
+// newInstance is a random word naming this daemon to its clients.
+func newInstance() string {
+	b := make([]byte, 8)
+	rand.Read(b)
+	return hex.EncodeToString(b)
 }
 
 type nopCloser struct{ io.Writer }

@@ -92,7 +92,7 @@ func startOld(t *testing.T, dir string) *oldDaemon {
 		g: &giver{m: m, gate: &controlGate{}, lock: lock, control: l, hand: hl, fence: fence, log: quiet,
 			gateWait: 200 * time.Millisecond}}
 	go o.g.serveHandovers(ctx, func() { close(o.handed); cancel() })
-	go serve(ctx, l, m, quiet, nil, o.g.gate)
+	go serve(ctx, l, m, quiet, nil, o.g.gate, "old")
 	t.Cleanup(func() { cancel(); lock.Close(); m.Close() })
 	return o
 }
@@ -143,7 +143,7 @@ func TestHandoverBetweenDaemons(t *testing.T) {
 	// the new daemon there.
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	go serve(ctx, tk.control, m2, quiet, nil, &controlGate{})
+	go serve(ctx, tk.control, m2, quiet, nil, &controlGate{}, "new")
 	c := &control.Client{StateDir: dir}
 	ls, err := c.List(ctx)
 	if err != nil || len(ls.Devices) != 1 {

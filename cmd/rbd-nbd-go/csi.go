@@ -32,7 +32,7 @@ type csiOpts struct {
 	controllerSecretDir          string
 	registrationPath             string
 	registrationDir              string
-	healthEndpoint               string
+	takeoverWait                 time.Duration
 
 	// ceph-csi's own flags, so its Deployment's arguments work unchanged.
 	driverType       string
@@ -78,8 +78,8 @@ StorageClass parameters and Secret keys are ceph-csi's.`,
 		"directory shared by controller and nodes: nodes register there, and ControllerPublish knows them besides the CSINodes (in Kubernetes) and its own node")
 	f.StringVar(&o.registrationPath, "kubelet-registration-path", "",
 		"register the node plugin with the kubelet, giving it this host path of the CSI socket (leave empty when node-driver-registrar does it)")
-	f.StringVar(&o.healthEndpoint, "health-endpoint", "",
-		"also serve CSI on this unix:// endpoint, private to the pod, for exec probes (liveness --once): the shared CSI socket may lead to another pod's plugin in an upgrade")
+	f.DurationVar(&o.takeoverWait, "takeover-wait", 20*time.Second,
+		"when stopped, keep the node daemon serving up to this long for a newer plugin's daemon to take its devices over (an upgrade)")
 	f.StringVar(&o.registrationDir, "plugin-registration-dir", kubelet.DefaultRegistrationDir,
 		"the kubelet's plugin registration directory, as mounted in this container")
 	// ceph-csi's flags, with its names and defaults.
@@ -158,13 +158,23 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 		// replaces (an upgrade with the pods overlapping): take its
 		// devices over, so they never see a dead connection.
 		sctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
-		if err := c.TakeOver(sctx); err != nil {
+		pd, err := c.StartForPlugin(sctx)
+		if err != nil {
 			log.Error("the node daemon is not running", "err", err)
 		}
 		cancel()
-		go c.Supervise(ctx, time.Second, func(err error) {
+		go pd.Supervise(ctx, time.Second, func(err error) {
 			log.Warn("the node daemon had stopped answering: started it again", "err", err)
 		})
+		defer func() {
+			if ctx.Err() == nil {
+				return // not stopped: failed at start
+			}
+			t0 := time.Now()
+			taken := pd.Release(o.takeoverWait)
+			log.Info("stopping: the node daemon stops with this pod", "taken_over_by_a_newer_daemon", taken,
+				"waited", time.Since(t0).Round(time.Millisecond))
+		}()
 		cfg.Daemon = c
 		cfg.Mounter = mount.NewSafeFormatAndMount(mount.New(""), utilexec.New())
 	}
@@ -175,15 +185,6 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 	l, err := csi.Listen(o.endpoint, o.node)
 	if err != nil {
 		return err
-	}
-	var more []net.Listener
-	if o.healthEndpoint != "" {
-		hl, err := csi.Listen(o.healthEndpoint, false)
-		if err != nil {
-			l.Close()
-			return err
-		}
-		more = append(more, hl)
 	}
 	// The registration socket opens beside the CSI socket, which already
 	// listens: the kubelet calls NodeGetInfo as soon as it learns of us.
@@ -196,7 +197,7 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 		}
 	}
 	eg, ectx := errgroup.WithContext(ctx)
-	eg.Go(func() error { return d.Serve(ectx, l, more...) })
+	eg.Go(func() error { return d.Serve(ectx, l) })
 	if pl != nil {
 		eg.Go(func() error { return profiling.Serve(ectx, pl, log) })
 	}

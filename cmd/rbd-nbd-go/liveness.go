@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -10,6 +11,7 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"golang.org/x/sys/unix"
 
 	"github.com/rbd-nbd-go/rbd-nbd-go/csi/kubelet"
 )
@@ -39,7 +41,20 @@ func newLiveness(g *globalOpts) *cobra.Command {
 			if endpoint == "" {
 				endpoint = fmt.Sprintf("127.0.0.1:%d", port)
 			}
-			l, err := net.Listen("tcp", endpoint)
+			// SO_REUSEPORT: in an upgrade the old and new node pods
+			// overlap on the host's network, and the new pod's sidecar
+			// must start. Either answers for whatever plugin the shared
+			// CSI socket leads to, so the new pod may count as started
+			// before its daemon took over: the old plugin therefore
+			// waits for the handover when stopped (csi --takeover-wait).
+			lc := net.ListenConfig{Control: func(_, _ string, c syscall.RawConn) error {
+				var serr error
+				err := c.Control(func(fd uintptr) {
+					serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_REUSEPORT, 1)
+				})
+				return errors.Join(err, serr)
+			}}
+			l, err := lc.Listen(context.Background(), "tcp", endpoint)
 			if err != nil {
 				return err
 			}
