@@ -118,7 +118,11 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	defer cancel()
 	var handedOver atomic.Bool
 	g := &giver{m: m, gate: &controlGate{}, lock: lock, control: l, hand: hl, fence: fence, log: log}
-	go g.serveHandovers(ctx, func() { handedOver.Store(true); cancel() })
+	giving := make(chan struct{})
+	go func() {
+		defer close(giving)
+		g.serveHandovers(ctx, func() { handedOver.Store(true); cancel() })
+	}()
 	sched := startBackground(ctx, cfg, ctl, m, log)
 	log.Info("serving NBD devices", "pid", os.Getpid(), "kernel", ctl.Name(), "state", cfg.StateDir,
 		"devices", len(m.List()))
@@ -127,6 +131,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	readied = true
 	serr := serve(ctx, l, m, log, sched.serving, g.gate, newInstance())
 	if handedOver.Load() {
+		<-giving // the new daemon's report, logged
 		log.Info("handed every device over to the new daemon; exiting")
 		return nil
 	}

@@ -193,7 +193,9 @@ type giver struct {
 }
 
 // serveHandovers answers handover requests on g.hand until ctx ends or
-// one succeeds; then it calls handedOver (which stops the daemon).
+// one succeeds. handedOver is called as soon as the devices have left
+// (it stops the daemon's control server, whose listener is the new
+// daemon's now); serveHandovers returns once the new daemon reported.
 func (g *giver) serveHandovers(ctx context.Context, handedOver func()) {
 	stop := context.AfterFunc(ctx, func() { g.hand.Close() })
 	defer stop()
@@ -207,15 +209,15 @@ func (g *giver) serveHandovers(ctx context.Context, handedOver func()) {
 			c.Close()
 			continue
 		}
-		if g.give(uc) {
-			handedOver()
+		if g.give(uc, handedOver) {
 			return
 		}
 	}
 }
 
-// give runs one handover from the old side; true once the devices left.
-func (g *giver) give(c *net.UnixConn) bool {
+// give runs one handover from the old side; true once the devices left
+// (and left called).
+func (g *giver) give(c *net.UnixConn, left func()) bool {
 	defer c.Close()
 	req, files, err := recvMsg(c, time.Now().Add(10*time.Second))
 	closeFiles(files)
@@ -248,6 +250,8 @@ func (g *giver) give(c *net.UnixConn) bool {
 		g.log.Warn("cannot mark the sessions record clean", "err", err)
 	}
 	// From here on the devices are the new daemon's, whatever happens.
+	left = sync.OnceFunc(left)
+	defer left()
 	var own []*os.File
 	defer func() { closeFiles(own) }()
 	lockDup, err := dupFile(g.lock)
@@ -289,6 +293,9 @@ func (g *giver) give(c *net.UnixConn) bool {
 		}
 	}
 	sent := time.Since(t0)
+	closeFiles(own) // the new daemon holds its own copies
+	own = nil
+	left()
 	res, files, err := recvMsg(c, time.Now().Add(doneWait))
 	closeFiles(files)
 	g.log.Info("handed over", "pid", req.PID, "devices", len(handed), "paused_after", paused.Round(time.Millisecond),
