@@ -107,15 +107,29 @@ func parseParams(in map[string]string, mapDefaults control.MapOptions) (params, 
 	return p, nil
 }
 
-// csiMapDefaults are ceph-csi's defaults for a CSI map, with the
-// driver's connections per device (Config.Connections): a restarted
-// node plugin has five minutes to take a device back, and I/O never
-// times out (a timed-out request fails the filesystem; ceph-csi #2204).
+// csiMapDefaults are a CSI map's defaults, with the driver's connections
+// per device (Config.Connections): a restarted node plugin has five
+// minutes to take a device back (ceph-csi's reattach-timeout), and
 // max_sectors_kb is raised to an RBD object, as the CLI raises it.
+//
+// The request timeout is 10 s, not ceph-csi's 0 (the kernel's 30 s).
+// With two or more connections a timed-out request is never failed: the
+// kernel sends it again on a live socket (or on the one the daemon, or
+// its successor, gives it). What was in flight when a daemon died waits
+// for exactly that timer, so it bounds the stall of a kill -9 or a
+// restart without handover. Safe: a retried write is held behind an
+// overlapping first copy still in librbd (nbd stale gate, marked at
+// half the timeout), and a dead daemon's writes are fenced (blocklist)
+// before its successor serves. The cost: a request slower than 10 s
+// (an OSD failing over) is sent again, with its socket replaced,
+// instead of waited for.
 func csiMapDefaults(connections int) control.MapOptions {
-	return control.MapOptions{Connections: connections, IOTimeout: 0, ReattachTimeout: 300 * time.Second,
+	return control.MapOptions{Connections: connections, IOTimeout: csiIOTimeout, ReattachTimeout: 300 * time.Second,
 		MaxSectorsKB: 4096}
 }
+
+// csiIOTimeout is the kernel request timeout of CSI maps.
+const csiIOTimeout = 10 * time.Second
 
 // mapDefaults are the options of a map whose StorageClass sets none.
 func (d *Driver) mapDefaults() control.MapOptions { return csiMapDefaults(d.cfg.Connections) }

@@ -10,7 +10,7 @@ import (
 // options themselves are control.ParseMapOptions'.
 func TestMapOptions(t *testing.T) {
 	def := csiMapDefaults(3)
-	if def.Connections != 3 || def.ReattachTimeout != 300*time.Second || def.IOTimeout != 0 ||
+	if def.Connections != 3 || def.ReattachTimeout != 300*time.Second || def.IOTimeout != 10*time.Second ||
 		def.MaxSectorsKB != 4096 || def.BlockSize != 0 {
 		t.Fatalf("CSI defaults %+v", def)
 	}
@@ -26,6 +26,10 @@ func TestMapOptions(t *testing.T) {
 		if o, err := parseMapOptions(in, def); err != nil || o.Connections != conns {
 			t.Errorf("%q: %+v %v, want %d connections", in, o, err, conns)
 		}
+	}
+	// ceph-csi's io-timeout 0 (the kernel's 30 s) is one option away.
+	if o, err := parseMapOptions("nbd:io-timeout=0", def); err != nil || o.IOTimeout != 0 {
+		t.Errorf("io-timeout=0: %+v %v", o, err)
 	}
 	for in, says := range map[string]string{
 		"rbd:connections=5":  `unknown mounter "rbd"`,
