@@ -3,10 +3,13 @@ package control
 import (
 	"encoding/json"
 	"net"
+	"os"
 	"path/filepath"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // fakeDaemon answers every request with its current instance word.
@@ -63,5 +66,28 @@ func TestReleaseWaitsForTakeOver(t *testing.T) {
 	q.mine.Store("x")
 	if !q.Release(10 * time.Second) {
 		t.Fatal("a daemon gone was waited for")
+	}
+}
+
+// TestLockFree: a daemon that died leaves its lock free; one that runs,
+// or one about to make the file, does not.
+func TestLockFree(t *testing.T) {
+	dir := t.TempDir()
+	if lockFree(dir) {
+		t.Fatal("no lock file yet counts as free (a daemon may be starting)")
+	}
+	f, err := os.Create(filepath.Join(dir, "daemon.lock"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if !lockFree(dir) {
+		t.Fatal("an unheld lock counts as held")
+	}
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX); err != nil {
+		t.Fatal(err)
+	}
+	if lockFree(dir) {
+		t.Fatal("a held lock counts as free")
 	}
 }

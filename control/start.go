@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"runtime"
 	"strconv"
 	"strings"
@@ -186,8 +187,14 @@ func (cl *Client) start(ctx context.Context, takeOver bool) error {
 	case ReadyOK:
 		return nil
 	case ReadyRunning:
-		// Lost a start race: the winner may still be restoring.
-		return cl.waitSocket(ctx, deadline)
+		// Lost a start race: the winner may still be restoring. Or the
+		// daemon we were to take over from died meanwhile: then nobody
+		// holds the state directory, and we start one.
+		err := cl.waitSocket(ctx, deadline)
+		if errors.Is(err, errNoHolder) {
+			return cl.start(ctx, false)
+		}
+		return err
 	case "":
 		select {
 		case <-waited:
@@ -199,11 +206,18 @@ func (cl *Client) start(ctx context.Context, takeOver bool) error {
 	return errors.New(line)
 }
 
-// waitSocket waits for another starting daemon to answer.
+// errNoHolder: no daemon holds the state directory's lock.
+var errNoHolder = errors.New("no daemon holds the state directory")
+
+// waitSocket waits for another starting daemon to answer; errNoHolder
+// if the state directory's lock is free (it died).
 func (cl *Client) waitSocket(ctx context.Context, deadline time.Time) error {
 	for time.Now().Before(deadline) {
 		if err := cl.Ping(ctx); err == nil {
 			return nil
+		}
+		if lockFree(cl.StateDir) {
+			return errNoHolder
 		}
 		select {
 		case <-ctx.Done():
@@ -212,6 +226,21 @@ func (cl *Client) waitSocket(ctx context.Context, deadline time.Time) error {
 		}
 	}
 	return errors.New("another rbd-nbd-go daemon holds the state directory but does not answer")
+}
+
+// lockFree reports whether no daemon holds dir's daemon lock (flock, as
+// daemon.lockState takes it); it takes and drops the lock to find out.
+func lockFree(dir string) bool {
+	f, err := os.OpenFile(filepath.Join(dir, "daemon.lock"), os.O_RDWR, 0)
+	if err != nil {
+		return false // no lock file yet: a daemon is starting
+	}
+	defer f.Close()
+	if unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB) != nil {
+		return false
+	}
+	unix.Flock(int(f.Fd()), unix.LOCK_UN)
+	return true
 }
 
 // PR_SET_IO_FLUSHER: the daemon's allocations must not wait on writeback

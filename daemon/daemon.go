@@ -158,6 +158,16 @@ func ownState(cfg Config, log *slog.Logger) (lock *os.File, tk *taken, err error
 		return lock, nil, err
 	}
 	if tk, err = take(cfg.StateDir, log); err != nil {
+		// The running daemon may be dying (its pod stopped before we
+		// asked): then its lock is free in a moment, and this daemon
+		// starts as after any restart.
+		for range 20 {
+			time.Sleep(100 * time.Millisecond)
+			if lock, lerr := lockState(cfg.StateDir); lerr != nil || lock != nil {
+				log.Warn("no handover: the previous daemon is gone; reattaching", "err", err)
+				return lock, nil, lerr
+			}
+		}
 		log.Warn("not taking over: the running daemon serves on", "err", err)
 		return nil, nil, nil
 	}

@@ -78,7 +78,7 @@ StorageClass parameters and Secret keys are ceph-csi's.`,
 		"directory shared by controller and nodes: nodes register there, and ControllerPublish knows them besides the CSINodes (in Kubernetes) and its own node")
 	f.StringVar(&o.registrationPath, "kubelet-registration-path", "",
 		"register the node plugin with the kubelet, giving it this host path of the CSI socket (leave empty when node-driver-registrar does it)")
-	f.DurationVar(&o.takeoverWait, "takeover-wait", 20*time.Second,
+	f.DurationVar(&o.takeoverWait, "takeover-wait", 45*time.Second,
 		"when stopped, keep the node daemon serving up to this long for a newer plugin's daemon to take its devices over (an upgrade)")
 	f.StringVar(&o.registrationDir, "plugin-registration-dir", kubelet.DefaultRegistrationDir,
 		"the kubelet's plugin registration directory, as mounted in this container")
