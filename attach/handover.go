@@ -80,15 +80,6 @@ func (m *Manager) HandOver(ctx context.Context) (*Handover, error) {
 	return h, nil
 }
 
-// Devices is what will be handed over, in index order.
-func (h *Handover) Devices() []control.Record {
-	out := make([]control.Record, len(h.devs))
-	for i, d := range h.devs {
-		out[i] = d.rec
-	}
-	return out
-}
-
 // Abort resumes every paused device: the handover did not happen.
 func (h *Handover) Abort() {
 	if h.done {

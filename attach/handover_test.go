@@ -6,7 +6,6 @@ import (
 	"encoding/binary"
 	"io"
 	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -14,18 +13,6 @@ import (
 	"github.com/rbd-nbd-go/rbd-nbd-go/control"
 	"github.com/rbd-nbd-go/rbd-nbd-go/kernel"
 )
-
-// fileSpec makes a backing file of size under the rig's directory.
-func (r *rig) fileNamed(t *testing.T, name string, size int64) string {
-	p := filepath.Join(r.dir, name)
-	f, err := os.Create(p)
-	if err != nil {
-		t.Fatal(err)
-	}
-	f.Truncate(size)
-	f.Close()
-	return "file:" + p
-}
 
 // mapTwo maps two file-backed devices of two connections each, with a
 // block of data written through the kernel's first socket of each.
@@ -44,6 +31,18 @@ func mapTwo(t *testing.T, r *rig, m *Manager) ([]control.Record, []byte) {
 		recs = append(recs, rec)
 	}
 	return recs, data
+}
+
+// handOver pauses m for a handover, failing the test if it cannot.
+func handOver(t *testing.T, m *Manager) *Handover {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	ho, err := m.HandOver(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ho
 }
 
 // readReply reads one simple reply's header and returns its handle.
@@ -138,12 +137,7 @@ func TestHandOverRefusedHalfway(t *testing.T) {
 	r := newRig(t)
 	m1 := r.manager(t)
 	recs, data := mapTwo(t, r, m1)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	ho, err := m1.HandOver(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	ho := handOver(t, m1)
 	// A request sent while paused waits in the socket.
 	sock := r.k.dev(t, recs[1].Index).socks[0]
 	if err := writeReq(sock, cmdRead, 5, 4096, 4096, nil); err != nil {
@@ -175,12 +169,7 @@ func TestAdoptFailureFallsBackToReattach(t *testing.T) {
 	r := newRig(t)
 	m1 := NewManager(Config{Kernel: r.k, Store: r.store, SysBlock: r.sys, Dev: r.dir})
 	recs, data := mapTwo(t, r, m1)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	ho, err := m1.HandOver(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	ho := handOver(t, m1)
 	handed, err := ho.Release()
 	if err != nil {
 		t.Fatal(err)

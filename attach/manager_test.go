@@ -45,8 +45,11 @@ func (r *rig) manager(t *testing.T) *Manager {
 	return m
 }
 
-func (r *rig) file(t *testing.T, size int64) string {
-	p := filepath.Join(r.dir, "disk.img")
+func (r *rig) file(t *testing.T, size int64) string { return r.fileNamed(t, "disk.img", size) }
+
+// fileNamed makes a backing file of size under the rig's directory.
+func (r *rig) fileNamed(t *testing.T, name string, size int64) string {
+	p := filepath.Join(r.dir, name)
 	f, err := os.Create(p)
 	if err != nil {
 		t.Fatal(err)

@@ -173,12 +173,14 @@ func (f *fencer) save() error {
 		return err
 	}
 	tmp := f.path + ".tmp"
-	if err := os.WriteFile(tmp, b, 0o600); err != nil {
+	t, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
+	if err != nil {
 		return err
 	}
-	if t, err := os.Open(tmp); err == nil {
-		t.Sync()
-		t.Close()
+	_, err = t.Write(b)
+	err = errors.Join(err, t.Sync(), t.Close())
+	if err != nil {
+		return err
 	}
 	return os.Rename(tmp, f.path)
 }

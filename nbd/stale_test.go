@@ -34,6 +34,18 @@ func staleRig(t *testing.T, staleAfter time.Duration) (*asyncFake, [2]*tclient, 
 	return dev, cs, &logs, sh
 }
 
+// submitted waits for the next request to reach the backend.
+func submitted(t *testing.T, dev *asyncFake, why string) *Request {
+	t.Helper()
+	select {
+	case r := <-dev.got:
+		return r
+	case <-time.After(5 * time.Second):
+		t.Fatal(why)
+		return nil
+	}
+}
+
 func noSubmit(t *testing.T, dev *asyncFake, within time.Duration) {
 	t.Helper()
 	select {
@@ -54,7 +66,7 @@ func TestRetryWaitsForStaleWrite(t *testing.T) {
 	time.Sleep(time.Duration(slowAfter+3) * sh.dog.every)
 
 	cs[1].send(cmdWrite, 0, 2, 1<<20, 4096, pattern(4096, 2)) // elsewhere: not held
-	other := <-dev.got
+	other := submitted(t, dev, "a write elsewhere was held")
 	if other.Offset != 1<<20 {
 		t.Fatalf("got %d", other.Offset)
 	}
@@ -63,15 +75,11 @@ func TestRetryWaitsForStaleWrite(t *testing.T) {
 
 	dev.finish(orig, nil)
 	cs[0].recv(0)
-	select {
-	case r := <-dev.got:
-		if r.Offset != 4096 {
-			t.Fatalf("released %d", r.Offset)
-		}
-		dev.finish(r, nil)
-	case <-time.After(5 * time.Second):
-		t.Fatal("the retried write was never submitted after the original completed")
+	r := submitted(t, dev, "the retried write was never submitted after the original completed")
+	if r.Offset != 4096 {
+		t.Fatalf("released %d", r.Offset)
 	}
+	dev.finish(r, nil)
 	dev.finish(other, nil)
 	cs[1].recv(0)
 	cs[1].recv(0)
@@ -87,12 +95,7 @@ func TestYoungOverlapNotHeld(t *testing.T) {
 	cs[0].send(cmdWrite, 0, 1, 0, 4096, pattern(4096, 1))
 	a := <-dev.got
 	cs[1].send(cmdWrite, 0, 2, 0, 4096, pattern(4096, 2))
-	select {
-	case b := <-dev.got:
-		dev.finish(b, nil)
-	case <-time.After(5 * time.Second):
-		t.Fatal("a young overlapping write was held")
-	}
+	dev.finish(submitted(t, dev, "a young overlapping write was held"), nil)
 	dev.finish(a, nil)
 	cs[0].recv(0)
 	cs[1].recv(0)
@@ -106,12 +109,7 @@ func TestStaleReadNotHeld(t *testing.T) {
 	rd := <-dev.got
 	time.Sleep(time.Duration(slowAfter+3) * sh.dog.every)
 	cs[1].send(cmdWrite, 0, 2, 0, 4096, pattern(4096, 2))
-	select {
-	case w := <-dev.got:
-		dev.finish(w, nil)
-	case <-time.After(5 * time.Second):
-		t.Fatal("a write behind a stale read was held")
-	}
+	dev.finish(submitted(t, dev, "a write behind a stale read was held"), nil)
 	dev.finish(rd, nil)
 	cs[0].recv(4096)
 	cs[1].recv(0)

@@ -3,6 +3,7 @@ package rbdio
 import (
 	"encoding/json"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -43,14 +44,7 @@ func ParseAddrs(s string) []string {
 		for _, p := range []string{"v1:", "v2:", "any:"} {
 			a = strings.TrimPrefix(a, p)
 		}
-		if a == "" || !strings.Contains(a, "/") {
-			continue
-		}
-		dup := false
-		for _, o := range out {
-			dup = dup || o == a
-		}
-		if !dup {
+		if strings.Contains(a, "/") && !slices.Contains(out, a) {
 			out = append(out, a)
 		}
 	}

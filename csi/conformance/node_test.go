@@ -291,40 +291,52 @@ func TestRestartSurvival(t *testing.T) {
 			r.create("pvc-restart-"+strings.ReplaceAll(sig.String(), " ", ""), 256<<20, fsCap("ext4", rwo))
 			r.attach()
 			target := r.publish("a", false)
-			// One pass of writes then verify: the I/O stalls while the plugin is
-			// down, so fio is still writing when it is back, and every block
-			// written before, during and after the restart is read back.
-			f := fio(t, filepath.Join(target, "f"), "32M")
-			stop := make(chan struct{})
-			stall := make(chan time.Duration, 1)
-			werr := make(chan error, 1)
-			go func() { d, err := writer(filepath.Join(target, "w"), stop); stall <- d; werr <- err }()
-			time.Sleep(3 * time.Second)
-			t0 := time.Now()
-			r.p.signal(sig)
-			time.Sleep(time.Second)
-			r.p.start()
-			t.Logf("%s: plugin back in %s", sig, time.Since(t0).Round(time.Millisecond))
-			if !f.running() {
-				t.Fatal("fio ended before the plugin was back: nothing was tested under I/O")
-			}
-			out, ok := f.wait()
-			close(stop)
-			longest := <-stall
-			if err := <-werr; err != nil {
-				t.Fatalf("the application saw an I/O error: %v", err)
-			}
-			if !ok {
-				t.Fatalf("fio across the restart:\n%s", out)
-			}
-			if !mountedRW(t, target) {
-				t.Fatal("the filesystem is no longer read-write")
-			}
+			longest := acrossEvent(t, target, "the restart", func() {
+				t0 := time.Now()
+				r.p.signal(sig)
+				time.Sleep(time.Second)
+				r.p.start()
+				t.Logf("%s: plugin back in %s", sig, time.Since(t0).Round(time.Millisecond))
+			})
 			t.Logf("%s: longest write+fdatasync across the restart: %s", sig, longest.Round(time.Millisecond))
 			r.unpublish(target)
 			r.detach()
 		})
 	}
+}
+
+// acrossEvent runs fio verify and an fdatasync loop on the mounted
+// target while event happens, and checks what the application saw: no
+// I/O error, every block read back, the filesystem read-write. It
+// returns the longest single write+fdatasync: the stall the event cost.
+// One pass of writes then verify: the I/O stalls during the event, so
+// fio is still writing when it is over, and every block written before,
+// during and after it is read back.
+func acrossEvent(t *testing.T, target, what string, event func()) time.Duration {
+	t.Helper()
+	f := fio(t, filepath.Join(target, "f"), "32M")
+	stop := make(chan struct{})
+	stall := make(chan time.Duration, 1)
+	werr := make(chan error, 1)
+	go func() { d, err := writer(filepath.Join(target, "w"), stop); stall <- d; werr <- err }()
+	time.Sleep(3 * time.Second)
+	event()
+	if !f.running() {
+		t.Fatalf("fio ended before %s was over: nothing was tested under I/O", what)
+	}
+	out, ok := f.wait()
+	close(stop)
+	longest := <-stall
+	if err := <-werr; err != nil {
+		t.Fatalf("the application saw an I/O error: %v", err)
+	}
+	if !ok {
+		t.Fatalf("fio across %s:\n%s", what, out)
+	}
+	if !mountedRW(t, target) {
+		t.Fatal("the filesystem is no longer read-write")
+	}
+	return longest
 }
 
 // writer appends 4 KiB and fdatasyncs in a loop until stop; it returns
