@@ -119,7 +119,11 @@ type Request struct {
 	// For the slow-request watchdog (slow.go), under the conn's lock.
 	state uint8
 	slow  bool
-	stale bool   // marked on the export's staleGate
+	stale bool // marked on the export's staleGate
+	// gated: held by the staleGate, not yet submitted. Never marked stale
+	// meanwhile: two held copies of one write (the kernel retried twice)
+	// would each wait for the other.
+	gated bool
 	born  uint32 // watchdog tick when read
 	// inSubmit is set while the reader is inside Backend.Submit(r): a
 	// completion then is inline and the reader will send its reply.

@@ -366,7 +366,10 @@ func (c *conn) readLoop() error {
 			c.complete(r) // nothing to do; a zero-length READ gets an empty reply
 			continue
 		}
-		if g := c.exp.gate; g.n.Load() > 0 && g.wait(r) {
+		if g := c.exp.gate; g.n.Load() > 0 && writeLike(r.cmd) && g.overlaps(r) {
+			c.gate(r, true)
+			g.wait(r)
+			c.gate(r, false)
 			c.srv.log.Warn("nbd: held a write until an overlapping one sent before a kernel retry left the backend",
 				"op", r.Op, "offset", r.Offset, "length", r.Length, "remote", remote(c.w.nc))
 		}
@@ -374,6 +377,21 @@ func (c *conn) readLoop() error {
 		c.be.Submit(r)
 		r.inSubmit.Store(false)
 	}
+}
+
+// gate marks r held by the stale gate, or released from it. A request
+// released past the stale mark is marked at once, before it is
+// submitted: the kernel may have sent it again already, and a newer
+// write must not overtake it in the backend (the watchdog's next tick
+// could be too late).
+func (c *conn) gate(r *Request, held bool) {
+	c.mu.Lock()
+	r.gated = held
+	if !held && !r.stale && c.pool.dog.tick.Load()-r.born >= c.exp.gate.ticks(&c.pool.dog) {
+		r.stale = true
+		c.exp.gate.mark(c, r)
+	}
+	c.mu.Unlock()
 }
 
 // check validates a request against the protocol and what was

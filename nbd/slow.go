@@ -104,7 +104,7 @@ func (c *conn) reportSlow(now uint32, wd *watchdog) {
 	c.mu.Lock()
 	staleAfter := c.exp.gate.ticks(wd)
 	for _, r := range c.all {
-		if r.state == reqBackend && !r.stale && now-r.born >= staleAfter {
+		if r.state == reqBackend && !r.stale && !r.gated && now-r.born >= staleAfter {
 			r.stale = true
 			c.exp.gate.mark(c, r)
 		}

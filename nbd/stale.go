@@ -17,7 +17,10 @@ import (
 // watchdog calls slow (10 s, well under the kernel's 30 s) is marked
 // stale on its export, and a write-like request overlapping it, from any
 // connection, waits until the stale one has left the backend. Waiting
-// is always allowed: concurrent overlapping writes have no order.
+// is always allowed: concurrent overlapping writes have no order. A
+// held request is not in the backend and is never marked while held
+// (two held copies would wait for each other); released past the mark,
+// it is marked before it is submitted.
 //
 // The fast path pays one atomic load per write while nothing is stale.
 type staleGate struct {
@@ -107,17 +110,11 @@ func (g *staleGate) overlaps(r *Request) bool {
 	return false
 }
 
-// wait holds write-like r while it overlaps a stale request, and says
-// whether it had to.
-func (g *staleGate) wait(r *Request) bool {
-	if !writeLike(r.cmd) {
-		return false
-	}
-	held := false
+// wait holds r while it overlaps a stale request (r is marked gated
+// meanwhile, by the caller).
+func (g *staleGate) wait(r *Request) {
 	for g.overlaps(r) {
-		held = true
 		time.Sleep(stalePoll)
 		g.prune()
 	}
-	return held
 }

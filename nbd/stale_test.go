@@ -12,6 +12,12 @@ import (
 // staleRig: one export on an async backend, served on two connections
 // as the kernel's are, with a fast watchdog.
 func staleRig(t *testing.T, staleAfter time.Duration) (*asyncFake, [2]*tclient, *syncBuffer, *Shared) {
+	dev, cs, logs, sh := staleRigN(t, staleAfter, 2)
+	return dev, [2]*tclient{cs[0], cs[1]}, logs, sh
+}
+
+// staleRigN is staleRig with n connections.
+func staleRigN(t *testing.T, staleAfter time.Duration, n int) (*asyncFake, []*tclient, *syncBuffer, *Shared) {
 	var logs syncBuffer
 	sh := NewShared(0)
 	sh.dog.every = 10 * time.Millisecond
@@ -23,7 +29,7 @@ func staleRig(t *testing.T, staleAfter time.Duration) (*asyncFake, [2]*tclient, 
 		defer cancel()
 		s.Shutdown(ctx)
 	})
-	var cs [2]*tclient
+	cs := make([]*tclient, n)
 	for i := range cs {
 		a, b := socketpair(t)
 		go s.ServeNegotiated(a, "")
@@ -128,4 +134,45 @@ func TestStaleAfterFollowsTheExport(t *testing.T) {
 	dev.finish(<-dev.got, nil)
 	cs[0].recv(0)
 	cs[1].recv(0)
+}
+
+// TestRetriedTwiceNotDeadlocked: the kernel timed a write out twice
+// while the first copy sat in the backend (an OSD cut off), so two later
+// copies are held, each past the stale mark. They must not wait for
+// each other: once the first copy completes, both go through. A copy
+// released past the mark is marked at once, so a newer overlapping write
+// waits for it.
+func TestRetriedTwiceNotDeadlocked(t *testing.T) {
+	dev, cs, _, sh := staleRigN(t, 0, 3)
+	mark := time.Duration(slowAfter+3) * sh.dog.every
+	cs[0].send(cmdWrite, 0, 1, 8192, 4096, pattern(4096, 1))
+	orig := dev.wait(t, 1)[0]
+	time.Sleep(mark)
+	cs[1].send(cmdWrite, 0, 2, 8192, 4096, pattern(4096, 1)) // the first retry
+	time.Sleep(mark)
+	cs[2].send(cmdWrite, 0, 3, 8192, 4096, pattern(4096, 1)) // the second
+	noSubmit(t, dev, mark)
+	dev.finish(orig, nil)
+	cs[0].recv(0)
+	a := submitted(t, dev, "held copies of one write waited for each other")
+	var b *Request
+	select {
+	case b = <-dev.got:
+	case <-time.After(time.Second):
+		// One copy may wait for the other, now in the backend and
+		// marked: that one must then finish first.
+		dev.finish(a, nil)
+		b, a = submitted(t, dev, "the last copy was never submitted"), nil
+	}
+	// A newer write over the range waits for whatever copy is still in.
+	cs[0].send(cmdWrite, 0, 4, 8192, 4096, pattern(4096, 2))
+	noSubmit(t, dev, 100*time.Millisecond)
+	if a != nil {
+		dev.finish(a, nil)
+	}
+	dev.finish(b, nil)
+	cs[1].recv(0)
+	cs[2].recv(0)
+	dev.finish(submitted(t, dev, "the newer write was never submitted"), nil)
+	cs[0].recv(0)
 }
