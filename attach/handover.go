@@ -146,12 +146,14 @@ func (h *Handover) Release() ([]Handed, error) {
 const adoptWidth = 8
 
 // Adopt is the new daemon's side: it opens each handed device's backend
-// (taking its lock, which the old daemon released) and serves the
-// sockets it was given, with no RECONFIGURE: the kernel never saw them
-// change hands. A device whose backend does not open has its sockets
-// closed, so the kernel marks them dead and Restore's reattach takes it
-// back the usual way; those errors are returned.
-func (m *Manager) Adopt(handed []Handed) error {
+// (or takes the one prepared ahead, if any), takes its lock, which the
+// old daemon released, and serves the sockets it was given, with no
+// RECONFIGURE: the kernel never saw them change hands. A device whose
+// backend does not open has its sockets closed, so the kernel marks them
+// dead and Restore's reattach takes it back the usual way; those errors
+// are returned. Whatever of prep Adopt does not use, it closes.
+func (m *Manager) Adopt(handed []Handed, prep *Prepared) error {
+	defer prep.Close()
 	errs := make([]error, len(handed))
 	sem := make(chan struct{}, adoptWidth)
 	var wg sync.WaitGroup
@@ -168,7 +170,7 @@ func (m *Manager) Adopt(handed []Handed) error {
 		sem <- struct{}{}
 		go func() {
 			defer func() { <-sem; wg.Done() }()
-			if errs[i] = m.adopt(h); errs[i] != nil {
+			if errs[i] = m.adopt(h, prep); errs[i] != nil {
 				closeAll(h.Conns)
 				errs[i] = fmt.Errorf("adopt %s: %w", h.Rec.Device(), errs[i])
 			}
@@ -178,40 +180,62 @@ func (m *Manager) Adopt(handed []Handed) error {
 	return errors.Join(errs...)
 }
 
-func (m *Manager) adopt(h Handed) error {
-	t0 := time.Now()
-	rec, err := m.withPassphrase(h.Rec)
+// openServed opens rec's backend and server for a device not yet
+// registered; deferred leaves the lock and quiesce watch to Activate.
+func (m *Manager) openServed(rec control.Record, deferred bool) (*device, *served, error) {
+	rec, err := m.withPassphrase(rec)
 	if err != nil {
-		return err
+		return nil, nil, err
 	}
 	d := &device{rec: rec}
-	s, err := newServed(rec, m.backendOptions(d), m.shared, m.log)
+	opts := m.backendOptions(d)
+	opts.Deferred = deferred
+	s, err := newServed(rec, opts, m.shared, m.log)
 	if err != nil {
-		return err
+		return nil, nil, err
 	}
 	m.watchIdle(d, s)
 	d.mu.Lock()
-	defer d.mu.Unlock()
-	if d.rec, err = m.keepPassphrase(d.rec); err != nil {
+	d.rec, err = m.keepPassphrase(d.rec)
+	d.mu.Unlock()
+	if err != nil {
+		s.stop(5 * time.Second)
+		return nil, nil, err
+	}
+	return d, s, nil
+}
+
+func (m *Manager) adopt(h Handed, prep *Prepared) error {
+	t0 := time.Now()
+	d, s := prep.take(h.Rec)
+	ahead := s != nil
+	if !ahead {
+		var err error
+		if d, s, err = m.openServed(h.Rec, false); err != nil {
+			return err
+		}
+	} else if err := s.opened.Activate(); err != nil {
 		s.stop(5 * time.Second)
 		return err
 	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
 	m.mu.Lock()
-	if m.devs[rec.Index] != nil {
+	if m.devs[h.Rec.Index] != nil {
 		m.mu.Unlock()
 		s.stop(5 * time.Second)
-		return fmt.Errorf("%s is already served here", rec.Device())
+		return fmt.Errorf("%s is already served here", h.Rec.Device())
 	}
 	d.s = s
-	m.devs[rec.Index] = d
+	m.devs[h.Rec.Index] = d
 	m.mu.Unlock()
 	if err := s.serve(h.Conns, m.log); err != nil {
-		m.drop(rec.Index)
+		m.drop(h.Rec.Index)
 		d.s = nil
 		s.stop(5 * time.Second)
 		return err
 	}
-	m.log.Info("adopted from the previous daemon", "device", rec.Device(), "spec", rec.Spec,
-		"connections", len(h.Conns), "took", time.Since(t0).Round(time.Millisecond))
+	m.log.Info("adopted from the previous daemon", "device", h.Rec.Device(), "spec", h.Rec.Spec,
+		"connections", len(h.Conns), "opened_ahead", ahead, "took", time.Since(t0).Round(time.Millisecond))
 	return nil
 }

@@ -66,6 +66,16 @@ func TestHandOverRequestSplitAcrossIt(t *testing.T) {
 	recs, data := mapTwo(t, r, m1)
 	sock := r.k.dev(t, recs[0].Index).socks[1]
 
+	// The new daemon opens the images ahead, while the old one serves:
+	// one as listed, one listed under another cookie (as if unmapped and
+	// mapped again in between), which Adopt must not use.
+	m2 := r.manager(t)
+	listed := m1.List()
+	listed[1].Cookie += "-earlier"
+	prep := m2.Prepare(listed)
+	if len(prep.devs) != 2 {
+		t.Fatalf("prepared %d of 2", len(prep.devs))
+	}
 	split := bytes.Repeat([]byte("split!!!"), 512)
 	var h [28]byte
 	binary.BigEndian.PutUint32(h[0:], 0x25609513)
@@ -108,9 +118,11 @@ func TestHandOverRequestSplitAcrossIt(t *testing.T) {
 	if len(m1.List()) != 0 || len(handed) != 2 || len(handed[0].Conns) != 2 || len(handed[1].Conns) != 2 {
 		t.Fatalf("old manager lists %v; handed %+v", m1.List(), handed)
 	}
-	m2 := r.manager(t)
-	if err := m2.Adopt(handed); err != nil {
+	if err := m2.Adopt(handed, prep); err != nil {
 		t.Fatal(err)
+	}
+	if len(prep.devs) != 0 {
+		t.Fatalf("Adopt left %d prepared backends open", len(prep.devs))
 	}
 	for i, rec := range recs {
 		for j, s := range r.k.dev(t, rec.Index).socks {
@@ -177,7 +189,7 @@ func TestAdoptFailureFallsBackToReattach(t *testing.T) {
 	img := strings.TrimPrefix(recs[0].Spec, "file:")
 	os.Rename(img, img+".away")
 	m2 := r.manager(t)
-	if err := m2.Adopt(handed); err == nil || !strings.Contains(err.Error(), recs[0].Device()) {
+	if err := m2.Adopt(handed, nil); err == nil || !strings.Contains(err.Error(), recs[0].Device()) {
 		t.Fatalf("adopt with a missing backend: %v", err)
 	}
 	os.Rename(img+".away", img)

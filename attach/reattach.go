@@ -3,6 +3,7 @@ package attach
 import (
 	"errors"
 	"fmt"
+	"sync"
 	"syscall"
 	"time"
 
@@ -203,6 +204,7 @@ func (m *Manager) Restore() error {
 		return err
 	}
 	var errs []error
+	var todo []control.Record
 	for _, rec := range recs {
 		if rec.Detached {
 			m.mu.Lock()
@@ -225,9 +227,25 @@ func (m *Manager) Restore() error {
 			m.dropPassphrase(rec)
 			continue
 		}
-		if _, err := m.Attach(rec); err != nil {
-			errs = append(errs, fmt.Errorf("reattach %s: %w", rec.Device(), err))
-		}
+		todo = append(todo, rec)
 	}
+	// In parallel, as Adopt: every device waits for its own open, and
+	// after a kill -9 each one's stall is the time until it is served.
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, adoptWidth)
+	for _, rec := range todo {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer func() { <-sem; wg.Done() }()
+			if _, err := m.Attach(rec); err != nil {
+				mu.Lock()
+				errs = append(errs, fmt.Errorf("reattach %s: %w", rec.Device(), err))
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
 	return errors.Join(errs...)
 }

@@ -20,7 +20,10 @@ import (
 type Options struct {
 	ReadOnly  bool
 	Exclusive bool // RBD only: take and keep the exclusive lock
-	Ceph      ceph.Options
+	// Deferred leaves an RBD image's exclusive lock and quiesce watch
+	// to Opened.Activate (see rbdio.OpenOptions).
+	Deferred bool
+	Ceph     ceph.Options
 	// Clusters shares RADOS connections between images; required for
 	// RBD specs.
 	Clusters *rbdio.Clusters
@@ -37,6 +40,16 @@ type Opened struct {
 	// Describe is a human description for NBD_INFO_DESCRIPTION and logs.
 	Describe string
 	close    func() error
+	activate func() error
+}
+
+// Activate finishes an Open with Deferred (the lock, the quiesce watch);
+// otherwise it does nothing.
+func (o *Opened) Activate() error {
+	if o.activate == nil {
+		return nil
+	}
+	return o.activate()
 }
 
 // Close releases the backend (after its server has stopped).
@@ -64,12 +77,12 @@ func Open(spec string, o Options) (*Opened, error) {
 	switch sp.Kind {
 	case "rbd":
 		im, err := rbdio.Open(o.Clusters, o.Ceph, is, rbdio.OpenOptions{
-			ReadOnly: readOnly, Exclusive: o.Exclusive, OnResize: o.OnResize,
+			ReadOnly: readOnly, Exclusive: o.Exclusive, Deferred: o.Deferred, OnResize: o.OnResize,
 			Encryption: o.Encryption, OnQuiesce: o.OnQuiesce})
 		if err != nil {
 			return nil, err
 		}
-		return &Opened{Backend: im, Describe: "rbd " + is.String(), close: im.Close}, nil
+		return &Opened{Backend: im, Describe: "rbd " + is.String(), close: im.Close, activate: im.Activate}, nil
 	case "rbd-sync":
 		// go-ceph's blocking calls on a worker pool: the bench's baseline
 		// for what the aio path buys. One worker per request in flight,

@@ -85,7 +85,19 @@ func Run(ctx context.Context, cfg Config) (err error) {
 			ready.Close()
 		}
 	}()
-	lock, tk, err := ownState(cfg, log)
+	// The manager exists before the state directory is ours, so that a
+	// handover can open the images ahead (sessions wait for the fencer).
+	ctl, err := openKernel(cfg)
+	if err != nil {
+		return err
+	}
+	defer ctl.Close()
+	sessions := &earlySessions{}
+	m, err := newManager(cfg, ctl, rbdio.NewClustersWith(sessions.hooks()), log)
+	if err != nil {
+		return err
+	}
+	lock, tk, err := ownState(cfg, m, log)
 	if err != nil || lock == nil {
 		if err == nil {
 			fmt.Fprintln(ready, control.ReadyRunning)
@@ -101,16 +113,12 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	}
 	protectFromReclaim(log)
 	sysmon.Setup(log)
-	ctl, err := openKernel(cfg)
-	if err != nil {
-		return err
-	}
-	defer ctl.Close()
 	fence, err := newFencer(cfg.StateDir, selfProcess(), procAlive, time.Now, log)
 	if err != nil {
 		return fmt.Errorf("sessions record: %w", err)
 	}
-	m, l, hl, err := takeBack(cfg, ctl, rbdio.NewClustersWith(fence.hooks()), tk, log)
+	sessions.attach(fence)
+	l, hl, err := takeBack(cfg, m, tk, log)
 	if err != nil {
 		return err
 	}
@@ -151,13 +159,23 @@ func stop(m *attach.Manager, fence *fencer, log *slog.Logger) error {
 
 // ownState makes this process the state directory's daemon: it takes
 // the lock, or with cfg.TakeOver has the running daemon hand it over
-// with its devices (tk). A nil lock and nil error: another daemon
-// serves, and keeps serving.
-func ownState(cfg Config, log *slog.Logger) (lock *os.File, tk *taken, err error) {
+// with its devices (tk), whose images m opens ahead while the old daemon
+// still serves them. A nil lock and nil error: another daemon serves,
+// and keeps serving.
+func ownState(cfg Config, m *attach.Manager, log *slog.Logger) (lock *os.File, tk *taken, err error) {
 	if lock, err = lockState(cfg.StateDir); err != nil || lock != nil || !cfg.TakeOver {
 		return lock, nil, err
 	}
+	var prep *attach.Prepared
+	if recs, err := list(cfg.StateDir); err != nil {
+		log.Info("no device list from the running daemon; opening at the handover", "err", err)
+	} else {
+		t0 := time.Now()
+		prep = m.Prepare(recs)
+		log.Info("images opened ahead of the handover", "devices", len(recs), "took", time.Since(t0).Round(time.Millisecond))
+	}
 	if tk, err = take(cfg.StateDir, log); err != nil {
+		prep.Close()
 		// The running daemon may be dying (its pod stopped before we
 		// asked): then its lock is free in a moment, and this daemon
 		// starts as after any restart.
@@ -171,6 +189,7 @@ func ownState(cfg Config, log *slog.Logger) (lock *os.File, tk *taken, err error
 		log.Warn("not taking over: the running daemon serves on", "err", err)
 		return nil, nil, nil
 	}
+	tk.prepared = prep
 	lock, tk.lock = tk.lock, nil
 	writePID(lock)
 	return lock, tk, nil
@@ -229,42 +248,49 @@ func openKernel(cfg Config) (kernel.Controller, error) {
 	return ctl, nil
 }
 
+// newManager opens the state directory's records and the manager of
+// its devices.
+func newManager(cfg Config, ctl kernel.Controller, clusters *rbdio.Clusters, log *slog.Logger) (*attach.Manager, error) {
+	store, err := attach.OpenStore(cfg.StateDir)
+	if err != nil {
+		return nil, err
+	}
+	return attach.NewManager(attach.Config{Kernel: ctl, Clusters: clusters, Store: store, Log: log,
+		MemoryBudget: cfg.MemoryBudget}), nil
+}
+
 // takeBack serves every device the state directory records: those a
 // previous daemon handed over (tk), then the rest by reattach. Only
 // then does it open the control and handover sockets (or take the
 // handed ones): a client that reaches them finds the devices served.
-func takeBack(cfg Config, ctl kernel.Controller, clusters *rbdio.Clusters, tk *taken, log *slog.Logger) (*attach.Manager, net.Listener, net.Listener, error) {
-	store, err := attach.OpenStore(cfg.StateDir)
-	if err != nil {
-		return nil, nil, nil, err
-	}
-	m := attach.NewManager(attach.Config{Kernel: ctl, Clusters: clusters, Store: store, Log: log,
-		MemoryBudget: cfg.MemoryBudget})
+func takeBack(cfg Config, m *attach.Manager, tk *taken, log *slog.Logger) (net.Listener, net.Listener, error) {
 	if tk != nil {
 		t0 := time.Now()
-		err := m.Adopt(tk.handed)
-		tk.handed = nil // the manager's, or closed by Adopt
+		err := m.Adopt(tk.handed, tk.prepared)
+		tk.handed, tk.prepared = nil, nil // the manager's, or closed by Adopt
 		tk.done(len(m.List()), err)
 		log.Info("took over from the previous daemon", "devices", len(m.List()), "took", time.Since(t0).Round(time.Millisecond), "err", err)
 	}
 	if err := m.Restore(); err != nil {
 		log.Error("some devices were not reattached", "err", err)
 	}
-	var l, hl net.Listener
 	if tk != nil {
-		l, hl, tk.control, tk.hand = tk.control, tk.hand, nil, nil
-	} else {
-		if l, err = unixsock.Listen(control.SocketPath(cfg.StateDir)); err == nil {
-			if hl, err = unixsock.ListenSeqpacket(HandoverSocket(cfg.StateDir)); err != nil {
-				l.Close()
-			}
-		}
-		if err != nil {
-			m.Close()
-			return nil, nil, nil, err
-		}
+		l, hl := tk.control, tk.hand
+		tk.control, tk.hand = nil, nil
+		return l, hl, nil
 	}
-	return m, l, hl, nil
+	l, err := unixsock.Listen(control.SocketPath(cfg.StateDir))
+	if err != nil {
+		m.Close()
+		return nil, nil, err
+	}
+	hl, err := unixsock.ListenSeqpacket(HandoverSocket(cfg.StateDir))
+	if err != nil {
+		l.Close()
+		m.Close()
+		return nil, nil, err
+	}
+	return l, hl, nil
 }
 
 // startBackground starts what runs beside the control socket: the

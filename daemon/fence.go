@@ -153,14 +153,6 @@ func (f *fencer) clean() error {
 	return f.save()
 }
 
-// hooks connects the fencer to rbdio's sessions.
-func (f *fencer) hooks() rbdio.SessionHooks {
-	return rbdio.SessionHooks{
-		Opened: func(s rbdio.Session) { f.opened(s.FSID, s.Addrs, s.Blocklist) },
-		Closed: func(s rbdio.Session) { f.closed(s.Addrs) },
-	}
-}
-
 func (f *fencer) saveLogged() {
 	if err := f.save(); err != nil {
 		f.log.Warn("cannot record RADOS sessions; a kill -9 will be recovered slowly", "err", err)
@@ -217,4 +209,59 @@ func procStart(pid int) (uint64, error) {
 		return 0, fmt.Errorf("/proc/%d/stat: short", pid)
 	}
 	return strconv.ParseUint(fields[19], 10, 64)
+}
+
+// earlySessions holds the RADOS sessions opened before this daemon owns
+// the state directory (images opened ahead of a handover) until the
+// fencer exists; then it passes them, and every later one, to it. The
+// fencer decides only once the directory is ours: it may fence a dead
+// predecessor's sessions through them, before any lock is asked for.
+type earlySessions struct {
+	mu      sync.Mutex
+	f       *fencer
+	pending []earlySession
+}
+
+type earlySession struct {
+	fsid      string
+	addrs     []string
+	blocklist func(addr string, expire time.Duration) error
+}
+
+func (e *earlySessions) hooks() rbdio.SessionHooks {
+	return rbdio.SessionHooks{
+		Opened: func(s rbdio.Session) { e.opened(s.FSID, s.Addrs, s.Blocklist) },
+		Closed: func(s rbdio.Session) { e.closed(s.Addrs) },
+	}
+}
+
+func (e *earlySessions) opened(fsid string, addrs []string, blocklist func(addr string, expire time.Duration) error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.f == nil {
+		e.pending = append(e.pending, earlySession{fsid, addrs, blocklist})
+		return
+	}
+	e.f.opened(fsid, addrs, blocklist)
+}
+
+func (e *earlySessions) closed(addrs []string) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.f == nil {
+		e.pending = slices.DeleteFunc(e.pending, func(p earlySession) bool { return slices.Equal(p.addrs, addrs) })
+		return
+	}
+	e.f.closed(addrs)
+}
+
+// attach hands the pending sessions, and every later one, to f.
+func (e *earlySessions) attach(f *fencer) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.f = f
+	for _, s := range e.pending {
+		f.opened(s.fsid, s.addrs, s.blocklist)
+	}
+	e.pending = nil
 }

@@ -1,6 +1,7 @@
 package daemon
 
 import (
+	"encoding/json"
 	"errors"
 	"log/slog"
 	"os"
@@ -174,5 +175,39 @@ func TestProcAlive(t *testing.T) {
 	}
 	if _, err := os.Stat("/proc/self/stat"); err != nil {
 		t.Skip("no procfs")
+	}
+}
+
+// TestEarlySessionsWaitForTheFencer: sessions opened before the state
+// directory is ours (images opened ahead of a handover) are neither
+// recorded nor used to fence until the fencer exists; then a dead
+// predecessor's sessions are fenced through them before any lock is
+// asked for, and a session closed meanwhile is forgotten.
+func TestEarlySessionsWaitForTheFencer(t *testing.T) {
+	dir := t.TempDir()
+	runDaemon(t, dir, 100, alive(), map[string][]string{"A": {"1.1.1.1:0/1"}}, false)
+	var e earlySessions
+	early, gone := &fakeCluster{}, &fakeCluster{}
+	e.opened("A", []string{"1.1.1.1:0/5"}, early.blocklist)
+	e.opened("A", []string{"1.1.1.1:0/6"}, gone.blocklist)
+	e.closed([]string{"1.1.1.1:0/6"})
+	if len(early.calls) != 0 {
+		t.Fatalf("fenced before the directory was ours: %+v", early.calls)
+	}
+	f, err := newFencer(dir, sessionsFile{PID: 101, Start: 7}, alive(), func() time.Time { return clock }, quiet)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.attach(f)
+	if !slices.Equal(early.addrs(), []string{"1.1.1.1:0/1"}) || len(gone.calls) != 0 {
+		t.Fatalf("fenced through the early session %v, the closed one %v; want the dead daemon's", early.addrs(), gone.addrs())
+	}
+	later := &fakeCluster{}
+	e.opened("A", []string{"1.1.1.1:0/7"}, later.blocklist)
+	var rec sessionsFile
+	b, _ := os.ReadFile(dir + "/sessions.json")
+	json.Unmarshal(b, &rec)
+	if len(rec.Sessions) != 2 || !slices.Equal(rec.Sessions[0].Addrs, []string{"1.1.1.1:0/5"}) || len(later.calls) != 0 {
+		t.Fatalf("recorded %+v; want the early and the later session, the dead one fenced once", rec.Sessions)
 	}
 }

@@ -25,6 +25,9 @@ import (
 // SOCK_SEQPACKET socket in the state directory, one JSON message per
 // packet, descriptors passed with SCM_RIGHTS:
 //
+//	new → old  list                            (first, on its own connection)
+//	old → new  devices {devices}               (nothing paused: the new one
+//	                                            opens their images ahead)
 //	new → old  take {pid}
 //	old → new  refused {why}                  (the old one serves on)
 //	        or header {devices} + [state lock, control socket, handover socket]
@@ -221,6 +224,12 @@ func (g *giver) give(c *net.UnixConn, left func()) bool {
 	defer c.Close()
 	req, files, err := recvMsg(c, time.Now().Add(10*time.Second))
 	closeFiles(files)
+	if err == nil && req.Op == "list" {
+		if err := sendMsg(c, handoverMsg{Op: "devices", Devices: g.m.List()}); err != nil {
+			g.log.Warn("cannot send the device list", "err", err)
+		}
+		return false
+	}
 	if err != nil || req.Op != "take" {
 		g.log.Warn("bad handover request", "op", req.Op, "err", err)
 		return false
@@ -321,11 +330,35 @@ func dupFile(f *os.File) (*os.File, error) {
 
 // taken is what the new daemon received.
 type taken struct {
-	conn    *net.UnixConn
-	lock    *os.File
-	control net.Listener
-	hand    net.Listener
-	handed  []attach.Handed
+	conn     *net.UnixConn
+	lock     *os.File
+	control  net.Listener
+	hand     net.Listener
+	handed   []attach.Handed
+	prepared *attach.Prepared // opened ahead, by ownState
+}
+
+// list asks the daemon running in stateDir which devices it serves,
+// without a pause: the new daemon opens their images meanwhile.
+func list(stateDir string) ([]control.Record, error) {
+	c, err := net.DialTimeout("unixpacket", HandoverSocket(stateDir), 5*time.Second)
+	if err != nil {
+		return nil, err
+	}
+	defer c.Close()
+	uc := c.(*net.UnixConn)
+	if err := sendMsg(uc, handoverMsg{Op: "list"}); err != nil {
+		return nil, err
+	}
+	m, files, err := recvMsg(uc, time.Now().Add(10*time.Second))
+	closeFiles(files)
+	if err != nil {
+		return nil, err
+	}
+	if m.Op != "devices" {
+		return nil, fmt.Errorf("the running daemon answered %q to a device list", m.Op)
+	}
+	return m.Devices, nil
 }
 
 // errRefused: the running daemon refused (or could not be asked); it
@@ -413,4 +446,5 @@ func (t *taken) close() {
 	for _, h := range t.handed {
 		closeFiles(h.Conns)
 	}
+	t.prepared.Close()
 }

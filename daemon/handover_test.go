@@ -109,6 +109,18 @@ func TestHandoverBetweenDaemons(t *testing.T) {
 	data := bytes.Repeat([]byte("daemon!!"), 512)
 	kernelIO(t, socks[0], 1, 1, 4096, 4096, data)
 
+	// First the list, with nothing paused: the new side opens the
+	// device's backend ahead while the old one serves on.
+	recs, err := list(dir)
+	if err != nil || len(recs) != 1 || recs[0].Cookie != "c1" {
+		t.Fatalf("list: %+v %v", recs, err)
+	}
+	kernelIO(t, socks[1], 0, 9, 4096, 4096, nil)
+	store, _ := attach.OpenStore(dir)
+	m2 := attach.NewManager(attach.Config{Kernel: old.k, Store: store, SysBlock: filepath.Join(dir, "sys"), Dev: filepath.Join(dir, "dev")})
+	defer m2.Close()
+	prep := m2.Prepare(recs)
+
 	tk, err := take(dir, slog.New(slog.DiscardHandler))
 	if err != nil {
 		t.Fatal(err)
@@ -123,10 +135,7 @@ func TestHandoverBetweenDaemons(t *testing.T) {
 	if l, err := lockState(dir); err != nil || l != nil {
 		t.Fatalf("the state lock is free after the handover (%v)", err)
 	}
-	store, _ := attach.OpenStore(dir)
-	m2 := attach.NewManager(attach.Config{Kernel: old.k, Store: store, SysBlock: filepath.Join(dir, "sys"), Dev: filepath.Join(dir, "dev")})
-	defer m2.Close()
-	if err := m2.Adopt(tk.handed); err != nil {
+	if err := m2.Adopt(tk.handed, prep); err != nil {
 		t.Fatal(err)
 	}
 	tk.handed = nil

@@ -23,6 +23,13 @@ type OpenOptions struct {
 	// Exclusive takes the exclusive lock and keeps it: other clients'
 	// writes are refused until we close.
 	Exclusive bool
+	// Deferred opens without the exclusive lock and the quiesce watch:
+	// Activate takes them later. A daemon taking devices over opens
+	// their images while the old daemon still serves them, so that only
+	// the lock changes hands in the pause. (A watcher with no quiesce
+	// handler acks a snapshot's quiesce at once: it does not get in the
+	// way meanwhile.)
+	Deferred bool
 	// OnResize, if set, is called (from a background goroutine) with
 	// the new size after the image is resized.
 	OnResize func(size uint64)
@@ -83,8 +90,13 @@ type Image struct {
 	release func() // cluster connection reference and ioctx
 
 	quiesce *quiescer
-	loans   *loanPool
-	direct  atomic.Uint64 // replies the completion callback sent (tests read it)
+	// What Activate does for a Deferred open.
+	deferred  bool
+	exclusive bool
+	onQuiesce func(bool) error
+
+	loans  *loanPool
+	direct atomic.Uint64 // replies the completion callback sent (tests read it)
 }
 
 type slot struct {
@@ -149,11 +161,10 @@ func (im *Image) start(oo OpenOptions) error {
 		if im.readOnly {
 			return fmt.Errorf("image %s: --exclusive needs a writable image", im.spec)
 		}
-		if err := im.img.lockExclusive(); err != nil {
-			if errors.Is(err, syscall.EROFS) || errors.Is(err, syscall.EBUSY) {
-				return matching{fmt.Errorf("image %s: exclusive lock is held by another client", im.spec), ceph.ErrLocked}
+		if !oo.Deferred {
+			if err := im.lockExclusive(); err != nil {
+				return err
 			}
-			return fmt.Errorf("image %s: exclusive lock: %w", im.spec, err)
 		}
 	}
 	if im.efd, err = unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK); err != nil {
@@ -175,7 +186,8 @@ func (im *Image) start(oo OpenOptions) error {
 	if im.watchHandle, err = im.img.updateWatch(im.wfd); err != nil {
 		return fmt.Errorf("image %s: update watch: %w", im.spec, err)
 	}
-	if oo.OnQuiesce != nil {
+	im.deferred, im.exclusive, im.onQuiesce = oo.Deferred, oo.Exclusive, oo.OnQuiesce
+	if oo.OnQuiesce != nil && !oo.Deferred {
 		if im.quiesce, err = startQuiesce(im.img, im.spec, oo.OnQuiesce); err != nil {
 			im.img.updateUnwatch(im.watchHandle)
 			return err
@@ -184,6 +196,40 @@ func (im *Image) start(oo OpenOptions) error {
 	im.reaped, im.watched = make(chan struct{}), make(chan struct{})
 	go im.reap()
 	go im.watch()
+	return nil
+}
+
+// Activate finishes a Deferred open: it takes the exclusive lock and
+// starts the quiesce watch, if the open asked for them. It does nothing
+// for any other open. After an error it may be called again, or the
+// image closed.
+func (im *Image) Activate() error {
+	if !im.deferred {
+		return nil
+	}
+	if im.exclusive {
+		if err := im.lockExclusive(); err != nil {
+			return err
+		}
+	}
+	if im.onQuiesce != nil && im.quiesce == nil {
+		q, err := startQuiesce(im.img, im.spec, im.onQuiesce)
+		if err != nil {
+			return err
+		}
+		im.quiesce = q
+	}
+	im.deferred = false
+	return nil
+}
+
+func (im *Image) lockExclusive() error {
+	if err := im.img.lockExclusive(); err != nil {
+		if errors.Is(err, syscall.EROFS) || errors.Is(err, syscall.EBUSY) {
+			return matching{fmt.Errorf("image %s: exclusive lock is held by another client", im.spec), ceph.ErrLocked}
+		}
+		return fmt.Errorf("image %s: exclusive lock: %w", im.spec, err)
+	}
 	return nil
 }
 

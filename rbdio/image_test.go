@@ -423,3 +423,34 @@ func TestSlowConnectBlocksOnlyItself(t *testing.T) {
 		t.Error("open with no monitor succeeded")
 	}
 }
+
+// TestDeferredOpenActivates: a Deferred exclusive open succeeds while
+// another client holds the lock (a daemon opening images ahead of a
+// handover), takes no lock, and Activate takes it once it is free.
+func TestDeferredOpenActivates(t *testing.T) {
+	spec := newImage(t, "8M")
+	holder, err := Open(NewClusters(), opts(), spec, OpenOptions{Exclusive: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	im := open(t, NewClusters(), spec, OpenOptions{Exclusive: true, Deferred: true})
+	if err := im.Activate(); err == nil || !strings.Contains(err.Error(), "held by another client") {
+		t.Fatalf("Activate while the lock is held: %v", err)
+	}
+	// The holder still writes: the deferred open took nothing from it.
+	if err := do(t, holder, nbd.OpWrite, 0, 0, make([]byte, 4096), 4096); err != nil {
+		t.Fatalf("the holder's write: %v", err)
+	}
+	if err := holder.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := im.Activate(); err != nil {
+		t.Fatalf("Activate once free: %v", err)
+	}
+	if err := do(t, im, nbd.OpWrite, 0, 4096, make([]byte, 4096), 4096); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Open(NewClusters(), opts(), spec, OpenOptions{Exclusive: true}); err == nil {
+		t.Fatal("an exclusive open succeeded beside the activated image")
+	}
+}
