@@ -7,7 +7,7 @@ GO      ?= go
 BIN     := bin/rbd-nbd-go
 GOFILES := $(shell find . -name '*.go' -not -path './bin/*')
 
-.PHONY: all deps build test unit interop lint fuzz bench bench-vm bench-vm-scale e2e e2e-csi e2e-k8s run clean
+.PHONY: all deps build test unit interop lint fuzz bench bench-vm bench-vm-scale e2e e2e-csi e2e-k8s soak run clean
 
 all: build
 
@@ -51,11 +51,23 @@ K8S_TEST_SCENARIOS = a c e f g i
 # The CSI driver on real /dev/nbd in the VM: upstream csi-sanity (whole
 # suite), a volume's life, Retain/static, online expand, restart
 # survival, bad input, snapshots, restores and clones of mounted volumes
-# (csi/conformance), and ceph-csi's call sequence with this binary
-# installed as rbd-nbd (e2e/csi.sh).
+# (csi/conformance), ceph-csi's call sequence with this binary installed
+# as rbd-nbd, and the chaos soak for 5 minutes (e2e/csi.sh).
 e2e-csi: deps build bin/csi-conformance.test
 	mkdir -p bin/e2e-csi
-	E2E_OUT=$(CURDIR)/bin/e2e-csi scripts/vm/vm.sh --timeout 2700 --share $(CURDIR)/bin/e2e-csi -- e2e/csi.sh
+	E2E_OUT=$(CURDIR)/bin/e2e-csi scripts/vm/vm.sh --mem 6G --timeout 4200 --share $(CURDIR)/bin/e2e-csi -- e2e/csi.sh
+
+# The chaos soak alone, for SOAK_MIN minutes (30 unless set): eight CSI
+# volumes under fio verify and an fsync'd append log while the plugin,
+# its daemon and the OSD are killed, upgraded and cut off, one fault every
+# 20-60 s from a printed seed (RBD_NBD_GO_SOAK_SEED repeats it). Its
+# fault table is kept in bench/reference/soak, dated.
+SOAK_MIN ?= 30
+soak: deps build bin/csi-conformance.test
+	mkdir -p bin/soak bench/reference/soak
+	E2E_OUT=$(CURDIR)/bin/soak E2E_SOAK_MIN=$(SOAK_MIN) scripts/vm/vm.sh --mem 6G --timeout $$(( ($(SOAK_MIN) * 2 + 20) * 60 )) \
+		--share $(CURDIR)/bin/soak -- e2e/csi.sh soak
+	cp bin/soak/soak.md bench/reference/soak/$$(date -u +%F)-$(SOAK_MIN)min.md
 
 # The driver in a real single-node Kubernetes (v1.36.1, built from the
 # module proxy by e2e/k8s/build-tools.sh and cached outside the checkout)

@@ -1,6 +1,6 @@
 #!/bin/bash
 # CSI scenarios, run inside the VM (scripts/vm/vm.sh) as root:
-#   e2e/csi.sh [go] [dropin]     (default: both)
+#   e2e/csi.sh [go] [dropin] [soak]    (default: all three)
 # go:     the Go tests of csi/conformance on real /dev/nbd, real mkfs and
 #         mounts: upstream csi-sanity v5.6.0 (whole suite, mount and
 #         block), a volume's life as Kubernetes plays it, Retain and a
@@ -35,6 +35,35 @@ scenario_go() {
 	done
 	check "the conformance binary exited 0" test $rc -eq 0
 	[ $rc -eq 0 ] || sed 's/\x1b\[[0-9;]*m//g' "$out" | grep -aB2 -A12 '\[FAIL\]\|--- FAIL' | tail -80
+}
+
+# soak: the chaos soak (TestChaosSoak) for E2E_SOAK_MIN minutes (5 in
+# make test, 30 in make soak): eight volumes under fio verify and an
+# fsync'd append log while the plugin, its daemon and the OSD are
+# killed, upgraded and cut off. Its report goes to $E2E_OUT/soak.md.
+scenario_soak() {
+	local m min=${E2E_SOAK_MIN:-5} out=${E2E_OUT:-$work}/soak.out rc
+	for m in x_tables ip_tables iptable_filter xt_tcpudp; do
+		busybox insmod "$(find /lib/modules/$(uname -r)/kernel/net -name $m.ko | head -1)" 2>/dev/null
+	done
+	# The OSD runs on bluestore (a killed memstore OSD loses everything),
+	# which opens its block file O_DIRECT: tmpfs has no O_DIRECT on this
+	# kernel, so the test's temporary files live on an ext4 loop device.
+	local fs=$work/soakfs
+	mkdir -p "$fs" && truncate -s 16G "$work/soakfs.img" && mkfs.ext4 -q -E nodiscard "$work/soakfs.img" &&
+		mount -o loop "$work/soakfs.img" "$fs" || { fail_check "an ext4 loop device for the soak's files"; return; }
+	# Faults go on past the duration until each kind has come up, for up
+	# to twice it; set-up and teardown take a few minutes under TCG.
+	(cd "$root/csi/conformance" && RBD_NBD_GO_BIN=$B RBD_NBD_GO_CSI_NODE=1 RBD_NBD_GO_CEPH=required \
+		RBD_NBD_GO_SOAK=${min}m RBD_NBD_GO_SOAK_REPORT=${E2E_OUT:-$work}/soak.md \
+		RBD_NBD_GO_SOAK_LOGS=${E2E_OUT:-$work}/soak-logs TMPDIR=$fs \
+		timeout -k 10 $(((2 * min + 15) * 60)) "$T" -test.run '^TestChaosSoak$' -test.v -test.count=1 \
+		-test.timeout $((2 * min + 14))m) >"$out" 2>&1
+	rc=$?
+	umount "$fs"
+	sed 's/\x1b\[[0-9;]*m//g' "$out" | grep -aE 'soak:|^\s*\||seed' | sed 's/^/e2e:   /'
+	check "TestChaosSoak" grep -q "^--- PASS: TestChaosSoak " "$out"
+	[ $rc -eq 0 ] || tail -60 "$out"
 }
 
 probe() { # ceph-csi's probe of rbd-nbd: exit 0, empty stderr, --cookie on stdout
@@ -74,7 +103,7 @@ scenario_dropin() {
 	check "no device left behind" no_devices
 }
 
-[ $# -gt 0 ] || set -- go dropin
+[ $# -gt 0 ] || set -- go dropin soak
 for s in "$@"; do run_scenario "$s" "scenario_$s"; done
 [ $cluster_up -eq 1 ] && scripts/ceph-dev-cluster stop "$work/ceph" >/dev/null 2>&1
 pkill -f "$B daemon" 2>/dev/null

@@ -69,7 +69,11 @@ var cluster struct {
 func needCluster(t *testing.T) *cephtest.Cluster {
 	t.Helper()
 	cluster.once.Do(func() {
-		if cluster.c, cluster.err = cephtest.Start(); cluster.err != nil || cluster.c == nil {
+		start := cephtest.Start
+		if soakDuration() > 0 {
+			start = cephtest.StartBluestore // the soak kills the OSD
+		}
+		if cluster.c, cluster.err = start(); cluster.err != nil || cluster.c == nil {
 			return
 		}
 		var key string

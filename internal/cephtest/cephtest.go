@@ -28,7 +28,14 @@ func Required() bool { return os.Getenv("RBD_NBD_GO_CEPH") == "required" }
 
 // Start brings a cluster up in a fresh temporary directory. A nil
 // cluster with a nil error means Ceph is not installed and not required.
-func Start() (*Cluster, error) {
+func Start() (*Cluster, error) { return start() }
+
+// StartBluestore is Start with the OSD on bluestore (a sparse file in
+// the cluster's directory), for tests that kill the OSD and start it
+// again: memstore loses everything with the process.
+func StartBluestore() (*Cluster, error) { return start("--bluestore") }
+
+func start(opts ...string) (*Cluster, error) {
 	if _, err := exec.LookPath("ceph-osd"); err != nil {
 		if Required() {
 			return nil, fmt.Errorf("ceph-osd is not installed (make deps installs it)")
@@ -44,7 +51,7 @@ func Start() (*Cluster, error) {
 		return nil, err
 	}
 	c := &Cluster{Dir: dir, script: filepath.Join(root, "scripts", "ceph-dev-cluster")}
-	out, err := c.run(120*time.Second, c.script, "start", dir, "--timeout", "90")
+	out, err := c.run(120*time.Second, c.script, append([]string{"start", dir, "--timeout", "90"}, opts...)...)
 	if err != nil {
 		return nil, fmt.Errorf("start dev cluster: %v: %s", err, out)
 	}
@@ -113,4 +120,11 @@ func (c *Cluster) OSDPid() (int, error) {
 	var pid int
 	_, err = fmt.Sscan(string(b), &pid)
 	return pid, err
+}
+
+// RestartOSD starts the OSD again after it died, and returns once it
+// serves pool rbd.
+func (c *Cluster) RestartOSD() error {
+	_, err := c.run(150*time.Second, c.script, "restart-osd", c.Dir, "--timeout", "120")
+	return err
 }

@@ -118,6 +118,12 @@ mkdir -p $km/kernel/drivers/block
 cp /newroot$(cat /kmods)/kernel/drivers/block/nbd.ko $km/kernel/drivers/block/
 cp /newroot$(cat /kmods)/modules.builtin $km/ 2>/dev/null || : > $km/modules.builtin
 echo "kernel/drivers/block/nbd.ko:" > $km/modules.dep
+# Netfilter for iptables-legacy, copied but not loaded: the chaos soak
+# (e2e/csi.sh soak) loads it to cut the OSD off.
+for m in netfilter/x_tables ipv4/netfilter/ip_tables ipv4/netfilter/iptable_filter netfilter/xt_tcpudp; do
+	mkdir -p $km/kernel/net/$(dirname $m)
+	cp /newroot$(cat /kmods)/kernel/net/$m.ko $km/kernel/net/$m.ko 2>/dev/null
+done
 : > $km/modules.alias
 chroot /newroot /bin/sh -c 'ip link set lo up; hostname rbd-nbd-go-vm; . /vm-out/env; cd "$VM_CWD"; timeout -k 10 "$VM_TIMEOUT" /bin/sh /vm-out/cmd </dev/null >/dev/ttyS0 2>&1; echo $? > /vm-out/rc'
 poweroff -f
