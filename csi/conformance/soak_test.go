@@ -1,6 +1,7 @@
 package conformance
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"math/rand"
@@ -370,9 +371,12 @@ func (s *soak) check() {
 func (s *soak) down() {
 	t := s.t
 	cc, nc := csi.NewControllerClient(s.p.conn), csi.NewNodeClient(s.p.conn)
+	// The rig's context (10 minutes from its start) is long gone.
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
 	var imgs []string
 	for i, r := range s.vols {
-		r.cc, r.nc = cc, nc
+		r.cc, r.nc, r.ctx = cc, nc, ctx
 		r.unpublish(s.loads[i].path)
 		r.detach()
 		img := imageOf(r.vol.VolumeId)
