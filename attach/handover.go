@@ -155,8 +155,7 @@ const adoptWidth = 8
 func (m *Manager) Adopt(handed []Handed, prep *Prepared) error {
 	defer prep.Close()
 	errs := make([]error, len(handed))
-	sem := make(chan struct{}, adoptWidth)
-	var wg sync.WaitGroup
+	var todo []int
 	for i, h := range handed {
 		if len(h.Conns) == 0 {
 			rec := h.Rec
@@ -166,18 +165,31 @@ func (m *Manager) Adopt(handed []Handed, prep *Prepared) error {
 			m.mu.Unlock()
 			continue
 		}
+		todo = append(todo, i)
+	}
+	fanOut(len(todo), func(j int) {
+		h := handed[todo[j]]
+		if err := m.adopt(h, prep); err != nil {
+			closeAll(h.Conns)
+			errs[todo[j]] = fmt.Errorf("adopt %s: %w", h.Rec.Device(), err)
+		}
+	})
+	return errors.Join(errs...)
+}
+
+// fanOut runs do(0..n-1), adoptWidth at a time, and waits for them all.
+func fanOut(n int, do func(i int)) {
+	sem := make(chan struct{}, adoptWidth)
+	var wg sync.WaitGroup
+	for i := range n {
 		wg.Add(1)
 		sem <- struct{}{}
 		go func() {
 			defer func() { <-sem; wg.Done() }()
-			if errs[i] = m.adopt(h, prep); errs[i] != nil {
-				closeAll(h.Conns)
-				errs[i] = fmt.Errorf("adopt %s: %w", h.Rec.Device(), errs[i])
-			}
+			do(i)
 		}()
 	}
 	wg.Wait()
-	return errors.Join(errs...)
 }
 
 // openServed opens rec's backend and server for a device not yet

@@ -28,30 +28,26 @@ type prepared struct {
 // backend that does not open is left out: Adopt opens it the usual way.
 func (m *Manager) Prepare(recs []control.Record) *Prepared {
 	p := &Prepared{devs: map[int]prepared{}}
-	sem := make(chan struct{}, adoptWidth)
-	var wg sync.WaitGroup
+	var todo []control.Record
 	for _, rec := range recs {
-		if rec.Detached {
-			continue
+		if !rec.Detached {
+			todo = append(todo, rec)
 		}
-		wg.Add(1)
-		sem <- struct{}{}
-		go func() {
-			defer func() { <-sem; wg.Done() }()
-			t0 := time.Now()
-			d, s, err := m.openServed(rec, true)
-			if err != nil {
-				m.log.Warn("not opened ahead of the handover", "device", rec.Device(), "err", err)
-				return
-			}
-			m.log.Info("opened ahead of the handover", "device", rec.Device(), "spec", rec.Spec,
-				"took", time.Since(t0).Round(time.Millisecond))
-			p.mu.Lock()
-			p.devs[rec.Index] = prepared{d, s}
-			p.mu.Unlock()
-		}()
 	}
-	wg.Wait()
+	fanOut(len(todo), func(i int) {
+		rec := todo[i]
+		t0 := time.Now()
+		d, s, err := m.openServed(rec, true)
+		if err != nil {
+			m.log.Warn("not opened ahead of the handover", "device", rec.Device(), "err", err)
+			return
+		}
+		m.log.Info("opened ahead of the handover", "device", rec.Device(), "spec", rec.Spec,
+			"took", time.Since(t0).Round(time.Millisecond))
+		p.mu.Lock()
+		p.devs[rec.Index] = prepared{d, s}
+		p.mu.Unlock()
+	})
 	return p
 }
 

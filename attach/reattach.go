@@ -232,20 +232,12 @@ func (m *Manager) Restore() error {
 	// In parallel, as Adopt: every device waits for its own open, and
 	// after a kill -9 each one's stall is the time until it is served.
 	var mu sync.Mutex
-	var wg sync.WaitGroup
-	sem := make(chan struct{}, adoptWidth)
-	for _, rec := range todo {
-		wg.Add(1)
-		sem <- struct{}{}
-		go func() {
-			defer func() { <-sem; wg.Done() }()
-			if _, err := m.Attach(rec); err != nil {
-				mu.Lock()
-				errs = append(errs, fmt.Errorf("reattach %s: %w", rec.Device(), err))
-				mu.Unlock()
-			}
-		}()
-	}
-	wg.Wait()
+	fanOut(len(todo), func(i int) {
+		if _, err := m.Attach(todo[i]); err != nil {
+			mu.Lock()
+			errs = append(errs, fmt.Errorf("reattach %s: %w", todo[i].Device(), err))
+			mu.Unlock()
+		}
+	})
 	return errors.Join(errs...)
 }

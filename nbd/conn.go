@@ -387,11 +387,19 @@ func (c *conn) readLoop() error {
 func (c *conn) gate(r *Request, held bool) {
 	c.mu.Lock()
 	r.gated = held
-	if !held && !r.stale && c.pool.dog.tick.Load()-r.born >= c.exp.gate.ticks(&c.pool.dog) {
+	if !held {
+		c.markStale(r, c.pool.dog.tick.Load(), c.exp.gate.ticks(&c.pool.dog))
+	}
+	c.mu.Unlock()
+}
+
+// markStale marks r on the stale gate if it is in the backend, not held,
+// and at least after ticks old at tick now (c.mu held).
+func (c *conn) markStale(r *Request, now, after uint32) {
+	if r.state == reqBackend && !r.stale && !r.gated && now-r.born >= after {
 		r.stale = true
 		c.exp.gate.mark(c, r)
 	}
-	c.mu.Unlock()
 }
 
 // check validates a request against the protocol and what was

@@ -104,10 +104,7 @@ func (c *conn) reportSlow(now uint32, wd *watchdog) {
 	c.mu.Lock()
 	staleAfter := c.exp.gate.ticks(wd)
 	for _, r := range c.all {
-		if r.state == reqBackend && !r.stale && !r.gated && now-r.born >= staleAfter {
-			r.stale = true
-			c.exp.gate.mark(c, r)
-		}
+		c.markStale(r, now, staleAfter)
 		if r.state != reqFree && !r.slow && now-r.born >= wd.after {
 			r.slow = true
 			found = append(found, slow{Op(r.cmd), r.Offset, r.Length, r.state,
