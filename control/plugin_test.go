@@ -1,10 +1,13 @@
 package control
 
 import (
+	"context"
 	"encoding/json"
+	"fmt"
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -89,5 +92,44 @@ func TestLockFree(t *testing.T) {
 	}
 	if lockFree(dir) {
 		t.Fatal("a held lock counts as free")
+	}
+}
+
+// TestSuperviseBacksOff: a daemon that will not start (no NBD in the
+// kernel) is tried again after doubling waits, not every interval, and
+// each try is reported with its error.
+func TestSuperviseBacksOff(t *testing.T) {
+	dir := t.TempDir()
+	runs := filepath.Join(dir, "runs")
+	exe := filepath.Join(dir, "daemon.sh")
+	script := "#!/bin/sh\necho run >> " + runs + "\necho 'this kernel has no NBD driver' >&3\n"
+	if err := os.WriteFile(exe, []byte(script), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	p := &PluginDaemon{c: &Client{StateDir: filepath.Join(dir, "state"), Start: StartOptions{Exe: exe}}}
+	p.mine.Store("")
+	var reported atomic.Int32
+	var bad atomic.Value
+	bad.Store("")
+	ctx, cancel := context.WithTimeout(t.Context(), 1600*time.Millisecond)
+	defer cancel()
+	// Interval 50 ms: tries at about 50, 150, 350, 750 and 1550 ms, where
+	// a fixed interval would make 32.
+	p.Supervise(ctx, 50*time.Millisecond, func(err error) {
+		reported.Add(1)
+		if err == nil || err.Error() != "this kernel has no NBD driver" {
+			bad.Store(fmt.Sprint(err))
+		}
+	})
+	b, _ := os.ReadFile(runs)
+	n := strings.Count(string(b), "run")
+	if n < 3 || n > 6 {
+		t.Fatalf("the daemon was started %d times in 1.6 s at a 50 ms interval; want 3-6 with doubling waits", n)
+	}
+	if int(reported.Load()) != n {
+		t.Errorf("%d starts, %d reported", n, reported.Load())
+	}
+	if s := bad.Load().(string); s != "" {
+		t.Errorf("reported %q, want the daemon's own reason", s)
 	}
 }

@@ -99,8 +99,13 @@ func (p *PluginDaemon) remember(ctx context.Context) {
 // a crash), checking every interval until ctx ends: its devices' I/O
 // waits for it meanwhile. A daemon started on demand would come only with
 // the next request, and the kernel fails I/O after the reattach timeout.
+// A daemon that will not start (no NBD in this kernel) is tried again
+// after a wait that doubles up to maxRestartWait, so a plugin on a node
+// that cannot serve does not spawn a process a second. log hears of each
+// start: err nil when it serves again.
 func (p *PluginDaemon) Supervise(ctx context.Context, interval time.Duration, log func(err error)) {
-	t := time.NewTicker(interval)
+	wait := interval
+	t := time.NewTimer(wait)
 	defer t.Stop()
 	for {
 		select {
@@ -110,15 +115,27 @@ func (p *PluginDaemon) Supervise(ctx context.Context, interval time.Duration, lo
 		}
 		err := p.c.Ping(ctx)
 		if err == nil || !absent(err) {
+			wait = interval
+			t.Reset(wait)
 			continue
 		}
 		err = p.c.EnsureRunning(ctx)
 		if err == nil {
 			p.remember(ctx)
+			wait = interval
+		} else {
+			wait = min(2*wait, max(interval, maxRestartWait))
 		}
-		log(err)
+		if ctx.Err() == nil {
+			log(err)
+		}
+		t.Reset(wait)
 	}
 }
+
+// maxRestartWait bounds the wait between tries to start a daemon that
+// would not start.
+const maxRestartWait = time.Minute
 
 // Release waits, up to wait, for the plugin's daemon to be taken over or
 // gone. A stopped plugin's daemon dies with its pod. In an upgrade the

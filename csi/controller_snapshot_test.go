@@ -234,6 +234,28 @@ func TestSnapshotDeleteOrders(t *testing.T) {
 	}
 }
 
+// A trashed snapshot that outlived its last clone (librbd tries to
+// remove it once, and ignores a failure) does not keep a deleted
+// volume's image for good: the collect removes it, then the image.
+func TestTrashedSnapshotWithoutClonesCollected(t *testing.T) {
+	r := newRig(t)
+	src := r.create(t, "src", 64<<20, nil)
+	s := r.snapshot(t, "snap", src.VolumeId)
+	restored, err := r.restore("restored", snapSource(s.SnapshotId), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.deleteVolume(t, src.VolumeId)
+	r.deleteSnapshot(t, s.SnapshotId)
+	r.images.mu.Lock()
+	r.images.snapState().keepTrashed = true
+	r.images.mu.Unlock()
+	r.deleteVolume(t, restored.VolumeId)
+	if n := r.imageNames(); len(n) != 0 {
+		t.Fatalf("left behind: %v", n)
+	}
+}
+
 // A PVC clone, of a mounted volume as of the call: a temporary snapshot
 // that goes at once (kept in the trash namespace for the clone).
 func TestCloneOfVolume(t *testing.T) {

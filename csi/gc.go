@@ -120,8 +120,9 @@ func (d *Driver) collectOne(o ceph.Options, cluster string, ref ceph.ImageRef) (
 // can reach any more and returns how many are left: a clone's temporary
 // snapshot a failed clone left, and a VolumeSnapshot's RBD snapshot whose
 // ID was never journalled (nor returned: the journal is written before
-// the reply). Snapshots in the trash namespace stay until their clones
-// go; one removed here that clones need moves there. Snapshots not
+// the reply), and a snapshot in the trash namespace no clone needs any
+// more. Other trashed snapshots stay until their clones go; one removed
+// here that clones need moves there. Snapshots not
 // named by this driver (an admin's) are left, and keep the image.
 func (d *Driver) dropOrphans(o ceph.Options, j journal, ref ceph.ImageRef, snaps []ceph.Snapshot) (int, error) {
 	left := 0
@@ -129,6 +130,14 @@ func (d *Driver) dropOrphans(o ceph.Options, j journal, ref ceph.ImageRef, snaps
 		orphan := false
 		switch {
 		case s.Trash:
+			// librbd removes a trashed snapshot with its last clone's
+			// link, but only tries once and ignores a failure: one
+			// left with no clones would keep the image for good.
+			kids, err := d.cfg.Images.Children(o, ref, s.ID)
+			if err != nil && !errors.Is(err, ceph.ErrSnapshotNotFound) {
+				return 0, err
+			}
+			orphan = err == nil && len(kids) == 0
 		case strings.HasPrefix(s.Name, cloneSnapPrefix):
 			orphan = true
 		case hashedName.MatchString(s.Name):

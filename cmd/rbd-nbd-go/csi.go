@@ -164,7 +164,11 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 		}
 		cancel()
 		go pd.Supervise(ctx, time.Second, func(err error) {
-			log.Warn("the node daemon had stopped answering: started it again", "err", err)
+			if err != nil {
+				log.Error("the node daemon is not answering and would not start: trying again later", "err", err)
+				return
+			}
+			log.Warn("the node daemon had stopped answering: started it again")
 		})
 		defer func() {
 			if ctx.Err() == nil {

@@ -193,7 +193,19 @@ func allGone(t *testing.T, images []string, within time.Duration) time.Duration 
 			return time.Since(t0)
 		}
 		if time.Since(t0) > within {
-			t.Fatalf("after %s the pool still holds %q and its trash %q", within, left, trash)
+			// What keeps each: its snapshots (and their namespaces), and
+			// who has it open.
+			var why []string
+			for _, img := range left {
+				out := func(args ...string) string {
+					cmd := exec.Command("rbd", args...)
+					cmd.Env = cluster.c.Env()
+					b, _ := cmd.CombinedOutput()
+					return string(b)
+				}
+				why = append(why, img+":\n"+out("snap", "ls", "--all", "rbd/"+img)+out("status", "rbd/"+img))
+			}
+			t.Fatalf("after %s the pool still holds %q and its trash %q\n%s", within, left, trash, strings.Join(why, "\n"))
 		}
 		time.Sleep(time.Second)
 	}
