@@ -161,7 +161,7 @@ func (m *Manager) Adopt(handed []Handed, prep *Prepared) error {
 			rec := h.Rec
 			rec.Detached = true
 			m.mu.Lock()
-			m.devs[rec.Index] = &device{rec: rec}
+			m.devs[rec.Index] = newDevice(rec)
 			m.mu.Unlock()
 			continue
 		}
@@ -199,10 +199,10 @@ func (m *Manager) openServed(rec control.Record, deferred bool) (*device, *serve
 	if err != nil {
 		return nil, nil, err
 	}
-	d := &device{rec: rec}
+	d := newDevice(rec)
 	opts := m.backendOptions(d)
 	opts.Deferred = deferred
-	s, err := newServed(rec, opts, m.shared, m.log)
+	s, err := newServed(rec, opts, d.stats, m.shared, m.log)
 	if err != nil {
 		return nil, nil, err
 	}

@@ -58,7 +58,13 @@ type device struct {
 	// is in Manager.devs, so either lock is enough to read it.
 	rec control.Record
 	s   *served // nil while detached
+	// stats counts the device's requests from its map (or this daemon's
+	// start) until its unmap, across socket replacements.
+	stats *nbd.Stats
 }
+
+// newDevice is a device record with fresh counters.
+func newDevice(rec control.Record) *device { return &device{rec: rec, stats: nbd.NewStats()} }
 
 // stopServing finishes the requests in flight, flushes and closes the
 // backend; the kernel side stays (d.mu held).

@@ -26,8 +26,8 @@ func (m *Manager) Map(rec control.Record) (control.Record, error) {
 			return control.Record{}, fmt.Errorf("%s is busy (already mapped)", rec.Device())
 		}
 	}
-	d := &device{rec: rec}
-	s, err := newServed(rec, m.backendOptions(d), m.shared, m.log)
+	d := newDevice(rec)
+	s, err := newServed(rec, m.backendOptions(d), d.stats, m.shared, m.log)
 	if err != nil {
 		return control.Record{}, err
 	}

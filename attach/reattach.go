@@ -71,8 +71,8 @@ func (m *Manager) Attach(rec control.Record) (control.Record, error) {
 	if rec, err = m.withPassphrase(rec); err != nil {
 		return control.Record{}, err
 	}
-	d := &device{rec: rec}
-	s, err := newServed(rec, m.backendOptions(d), m.shared, m.log)
+	d := newDevice(rec)
+	s, err := newServed(rec, m.backendOptions(d), d.stats, m.shared, m.log)
 	if err != nil {
 		return control.Record{}, err
 	}
@@ -208,7 +208,7 @@ func (m *Manager) Restore() error {
 	for _, rec := range recs {
 		if rec.Detached {
 			m.mu.Lock()
-			m.devs[rec.Index] = &device{rec: rec}
+			m.devs[rec.Index] = newDevice(rec)
 			m.mu.Unlock()
 			continue
 		}

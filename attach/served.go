@@ -87,7 +87,7 @@ func closeAll(fs []*os.File) {
 }
 
 // newServed opens rec's backend and an NBD server with one export.
-func newServed(rec control.Record, opts backend.Options, shared *nbd.Shared, log *slog.Logger) (*served, error) {
+func newServed(rec control.Record, opts backend.Options, stats *nbd.Stats, shared *nbd.Shared, log *slog.Logger) (*served, error) {
 	opened, err := backend.Open(rec.Spec, opts)
 	if err != nil {
 		return nil, err
@@ -98,7 +98,7 @@ func newServed(rec control.Record, opts backend.Options, shared *nbd.Shared, log
 	// A write the kernel may have timed out and sent again is held
 	// behind its first copy from half the device's timeout on.
 	if err := srv.AddExport(nbd.Export{Description: opened.Describe, Backend: opened.Backend,
-		ReadOnly: rec.ReadOnly, StaleAfter: rec.IOTimeout / 2}); err != nil {
+		ReadOnly: rec.ReadOnly, StaleAfter: rec.IOTimeout / 2, Stats: stats}); err != nil {
 		opened.Close()
 		return nil, err
 	}

@@ -28,6 +28,7 @@ import (
 	"github.com/rbd-nbd-go/rbd-nbd-go/internal/sysmon"
 	"github.com/rbd-nbd-go/rbd-nbd-go/internal/unixsock"
 	"github.com/rbd-nbd-go/rbd-nbd-go/kernel"
+	"github.com/rbd-nbd-go/rbd-nbd-go/metrics"
 	"github.com/rbd-nbd-go/rbd-nbd-go/rbdio"
 )
 
@@ -46,6 +47,9 @@ type Config struct {
 	// CPUProfile, if set, profiles the daemon until it stops
 	// (development).
 	CPUProfile string
+	// MetricsAddress, if set, serves the devices' Prometheus metrics
+	// there (metrics.Address: loopback unless a host is given).
+	MetricsAddress string
 	// MemoryBudget bounds payload bytes in flight over every device
 	// (attach.Config.MemoryBudget).
 	MemoryBudget int
@@ -132,6 +136,9 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		g.serveHandovers(ctx, func() { handedOver.Store(true); cancel() })
 	}()
 	sched := startBackground(ctx, cfg, ctl, m, log)
+	if cfg.MetricsAddress != "" {
+		go metrics.ServeRetrying(ctx, cfg.MetricsAddress, metrics.NewRegistry(deviceMetrics(m)), log)
+	}
 	log.Info("serving NBD devices", "pid", os.Getpid(), "kernel", ctl.Name(), "state", cfg.StateDir,
 		"devices", len(m.List()))
 	fmt.Fprintln(ready, control.ReadyOK)
@@ -313,6 +320,17 @@ func startBackground(ctx context.Context, cfg Config, ctl kernel.Controller, m *
 		log.Info("memory given back", append(append([]any{"took", time.Since(t0).Round(time.Millisecond)}, goMemory()...), rbdio.CMemory()...)...)
 	})
 	return sched
+}
+
+// deviceMetrics reads the manager's devices for a scrape.
+func deviceMetrics(m *attach.Manager) metrics.Source {
+	return func() []metrics.Device {
+		var out []metrics.Device
+		for _, d := range m.Stats() {
+			out = append(out, metrics.ForSpec(d.Rec.Device(), d.Rec.Spec, d.Rec.Cookie, d.Stats))
+		}
+		return out
+	}
 }
 
 // newInstance is a random word naming this daemon to its clients.

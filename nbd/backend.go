@@ -125,6 +125,9 @@ type Request struct {
 	// would each wait for the other.
 	gated bool
 	born  uint32 // watchdog tick when read
+	// For Stats: when the header was read and when the backend got it
+	// (0: never submitted), on Stats' clock.
+	tRead, tSubmit int64
 	// inSubmit is set while the reader is inside Backend.Submit(r): a
 	// completion then is inline and the reader will send its reply.
 	inSubmit atomic.Bool

@@ -27,6 +27,7 @@ type conn struct {
 	br         *bufio.Reader // over rd; nil while parked idle
 	exp        *Export
 	be         Backend
+	stats      *Stats // the export's, or nil
 	size       uint64
 	followSize bool
 	tflags     TransmissionFlags
@@ -112,6 +113,7 @@ func newConn(s *Server, w *wire, rd io.Reader, sess *session) *conn {
 		br:         s.pool.reader(rd),
 		exp:        sess.exp,
 		be:         sess.exp.Backend,
+		stats:      sess.exp.Stats,
 		size:       sess.size,
 		followSize: sess.followSize,
 		tflags:     sess.exp.Flags(sess.structured),
@@ -335,6 +337,9 @@ func (c *conn) readLoop() error {
 		}
 		r := c.acquire(payload, h)
 		r.err, r.Extents = nil, r.Extents[:0]
+		if c.stats != nil {
+			r.tRead, r.tSubmit = c.stats.now(), 0
+		}
 		if e := c.check(r); e != 0 {
 			if cmd == cmdWrite {
 				// The payload is on the wire whatever we think of it.
@@ -372,6 +377,9 @@ func (c *conn) readLoop() error {
 			c.gate(r, false)
 			c.srv.log.Warn("nbd: held a write until an overlapping one sent before a kernel retry left the backend",
 				"op", r.Op, "offset", r.Offset, "length", r.Length, "remote", remote(c.w.nc))
+		}
+		if c.stats != nil {
+			c.stats.submitted(r)
 		}
 		r.inSubmit.Store(true)
 		c.be.Submit(r)

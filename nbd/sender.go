@@ -88,6 +88,9 @@ func (s *sendState) sendmsg(dontWait bool) error {
 // leave its reply unsent until the next request arrived (forever, for a
 // client's last FLUSH).
 func (c *conn) complete(r *Request) {
+	if c.stats != nil {
+		c.stats.done(r)
+	}
 	c.mu.Lock()
 	r.state = reqReply
 	c.done = append(c.done, r)
@@ -103,6 +106,9 @@ func (c *conn) complete(r *Request) {
 // completeDeferred queues r for a Batch without waking anyone; true
 // when the batch must remember c (the first since its last flush).
 func (c *conn) completeDeferred(r *Request) bool {
+	if c.stats != nil {
+		c.stats.done(r)
+	}
 	c.mu.Lock()
 	r.state = reqReply
 	c.done = append(c.done, r)
@@ -238,6 +244,9 @@ func (c *conn) spliceNext() error {
 	err := s.sp.splice(c.w.fd, s.iov[s.end:s.end+z.n])
 	if err == nil {
 		c.srv.spliced.Add(uint64(z.r.Length))
+		if c.stats != nil {
+			c.stats.spliced.Add(uint64(z.r.Length))
+		}
 	}
 	// Parked even after an error: part of it may be in the socket.
 	s.sp.park(z.r)

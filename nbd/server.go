@@ -28,6 +28,8 @@ type Export struct {
 	// request timeout, or 0 for its default 30 s. The watchdog's 2 s
 	// tick makes the hold sure for timeouts of 5 s and more.
 	StaleAfter time.Duration
+	// Stats, if set, counts the export's requests (metrics, iostat).
+	Stats *Stats
 
 	gate *staleGate // set by AddExport
 }

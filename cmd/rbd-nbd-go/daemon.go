@@ -15,6 +15,7 @@ import (
 	"github.com/rbd-nbd-go/rbd-nbd-go/daemon"
 	"github.com/rbd-nbd-go/rbd-nbd-go/devspec"
 	"github.com/rbd-nbd-go/rbd-nbd-go/kernel"
+	"github.com/rbd-nbd-go/rbd-nbd-go/metrics"
 	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
 )
 
@@ -28,6 +29,7 @@ func newDaemon(g *globalOpts, procs int) *cobra.Command {
 	if budget == "" {
 		budget = "512M"
 	}
+	metricsAddr := os.Getenv(metricsAddressEnv)
 	cmd := &cobra.Command{
 		Use:    "daemon",
 		Short:  "Serve this node's NBD devices (started by map/attach on first use)",
@@ -48,11 +50,19 @@ func newDaemon(g *globalOpts, procs int) *cobra.Command {
 				}
 				return err
 			}
+			if metricsAddr != "" {
+				if _, err := metrics.Address(metricsAddr); err != nil {
+					if ready != nil {
+						fmt.Fprintln(ready, err)
+					}
+					return err
+				}
+			}
 			ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 			defer stop()
 			signal.Ignore(syscall.SIGHUP, syscall.SIGPIPE)
 			err = daemon.Run(ctx, daemon.Config{StateDir: g.stateDir, Module: mod, Log: logger(g.logLevel),
-				Ready: ready, MemoryBudget: int(b), IdleProcs: procs, TakeOver: takeOver,
+				Ready: ready, MemoryBudget: int(b), IdleProcs: procs, TakeOver: takeOver, MetricsAddress: metricsAddr,
 				// Test and development hooks.
 				KernelInterface: os.Getenv("RBD_NBD_GO_KERNEL_INTERFACE"),
 				CPUProfile:      os.Getenv("RBD_NBD_GO_CPU_PROFILE")})
@@ -69,8 +79,14 @@ func newDaemon(g *globalOpts, procs int) *cobra.Command {
 	f.BoolVar(&takeOver, "take-over", false, "if a daemon serves the state directory, take its devices over (an upgrade)")
 	f.StringVar(&budget, "memory-budget", budget,
 		"payload memory that requests may hold in flight over all devices (default $"+memoryBudgetEnv+" or 512M; a daemon started on demand inherits the environment)")
+	f.StringVar(&metricsAddr, "metrics-address", metricsAddr,
+		"serve Prometheus metrics of every device on HOST:PORT or PORT (loopback unless a host is given; default $"+metricsAddressEnv+", else off)")
 	return cmd
 }
+
+// metricsAddressEnv sets the daemon's --metrics-address, inherited as
+// memoryBudgetEnv is.
+const metricsAddressEnv = "RBD_NBD_GO_METRICS_ADDRESS"
 
 // memoryBudgetEnv sets the daemon's --memory-budget: the daemon is
 // started on demand by whichever command first needs it, and inherits

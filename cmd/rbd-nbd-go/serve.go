@@ -18,6 +18,7 @@ import (
 	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
 	"github.com/rbd-nbd-go/rbd-nbd-go/internal/sysmon"
 	"github.com/rbd-nbd-go/rbd-nbd-go/internal/unixsock"
+	"github.com/rbd-nbd-go/rbd-nbd-go/metrics"
 	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
 	"github.com/rbd-nbd-go/rbd-nbd-go/rbdio"
 )
@@ -29,6 +30,7 @@ type serveOpts struct {
 	ceph                 ceph.Options
 	shutdownTimeout      time.Duration
 	cpuProfile           string
+	metricsAddress       string
 }
 
 func newServe(g *globalOpts) *cobra.Command {
@@ -63,6 +65,8 @@ flight, flush, and exit.`,
 		"splice large read replies into unix sockets instead of copying them; only for clients that read with read/recv (libnbd, qemu, nbd-client), not ones that splice what they receive")
 	f.DurationVar(&o.shutdownTimeout, "shutdown-timeout", 30*time.Second,
 		"how long to wait for requests in flight on shutdown")
+	f.StringVar(&o.metricsAddress, "metrics-address", "",
+		"serve Prometheus metrics of the export on HOST:PORT or PORT (loopback unless a host is given)")
 	f.StringVar(&o.cpuProfile, "cpu-profile", "", "write a Go CPU profile here until exit (development)")
 	f.MarkHidden("cpu-profile")
 	cmd.MarkFlagsMutuallyExclusive("socket", "listen")
@@ -97,6 +101,14 @@ func listen(o serveOpts) (net.Listener, string, error) {
 }
 
 func runServe(ctx context.Context, log *slog.Logger, o serveOpts, spec string) error {
+	var ml net.Listener
+	if o.metricsAddress != "" {
+		var err error
+		if ml, err = metrics.Listen(o.metricsAddress); err != nil {
+			return err
+		}
+		defer ml.Close()
+	}
 	dev, err := backend.Open(spec, backend.Options{ReadOnly: o.readOnly, Exclusive: o.exclusive,
 		Ceph: o.ceph, Clusters: rbdio.NewClusters(),
 		OnResize: func(size uint64) { log.Info("image resized; new connections see the new size", "size", size) }})
@@ -109,8 +121,12 @@ func runServe(ctx context.Context, log *slog.Logger, o serveOpts, spec string) e
 		zc = nbd.ZeroCopyUnix
 	}
 	srv := nbd.NewServer(nbd.Config{Logger: log, ZeroCopy: zc})
+	var stats *nbd.Stats
+	if ml != nil {
+		stats = nbd.NewStats()
+	}
 	if err := srv.AddExport(nbd.Export{Name: o.name, Description: dev.Describe,
-		Backend: dev.Backend, ReadOnly: o.readOnly}); err != nil {
+		Backend: dev.Backend, ReadOnly: o.readOnly, Stats: stats}); err != nil {
 		return err
 	}
 	l, where, err := listen(o)
@@ -134,6 +150,12 @@ func runServe(ctx context.Context, log *slog.Logger, o serveOpts, spec string) e
 	defer stop()
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(l) }()
+	if ml != nil {
+		reg := metrics.NewRegistry(func() []metrics.Device {
+			return []metrics.Device{metrics.ForSpec(where, spec, "", stats.Snapshot())}
+		})
+		go metrics.Serve(ctx, ml, reg, log)
+	}
 	log.Info("serving", "spec", spec, "export", o.name, "on", where,
 		"size", dev.Backend.Size(), "read_only", o.readOnly)
 	select {
