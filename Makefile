@@ -36,7 +36,7 @@ test: deps lint build
 # gets its own 4-vCPU VM: blk-mq makes at most one hardware queue per CPU,
 # and 4 emulated CPUs on this 2-core box slow everything else down.
 e2e: deps build
-	scripts/vm/vm.sh --timeout 2400 -- e2e/scenarios.sh a b d e f g h i j k
+	scripts/vm/vm.sh --timeout 2400 -- e2e/scenarios.sh a b d e f g h i j k l
 	scripts/vm/vm.sh --smp 4 --timeout 900 -- e2e/scenarios.sh c
 	$(MAKE) --no-print-directory e2e-csi
 	$(MAKE) --no-print-directory e2e-k8s K8S_SCENARIOS="$(K8S_TEST_SCENARIOS)"

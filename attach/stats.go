@@ -7,17 +7,10 @@ import (
 	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
 )
 
-// DeviceStats is one device's counters, for metrics and iostat.
-type DeviceStats struct {
-	// Rec is the device's record without its secrets.
-	Rec   control.Record
-	Stats nbd.Snapshot
-}
-
-// Stats reads every device's counters, in device order. It takes only
-// the manager's lock, never a device's: a scrape must not wait behind a
-// reattach.
-func (m *Manager) Stats() []DeviceStats {
+// Stats reads every device's counters, in device order, with its record
+// stripped of secrets. It takes only the manager's lock, never a
+// device's: a scrape must not wait behind a reattach.
+func (m *Manager) Stats() []control.DeviceStats {
 	type one struct {
 		rec control.Record
 		st  *nbd.Stats
@@ -28,14 +21,14 @@ func (m *Manager) Stats() []DeviceStats {
 		devs = append(devs, one{d.rec.Public(), d.stats})
 	}
 	m.mu.Unlock()
-	out := make([]DeviceStats, 0, len(devs))
+	out := make([]control.DeviceStats, 0, len(devs))
 	for _, d := range devs {
-		ds := DeviceStats{Rec: d.rec}
+		ds := control.DeviceStats{Record: d.rec}
 		if d.st != nil {
 			ds.Stats = d.st.Snapshot()
 		}
 		out = append(out, ds)
 	}
-	sort.Slice(out, func(i, j int) bool { return out[i].Rec.Index < out[j].Rec.Index })
+	sort.Slice(out, func(i, j int) bool { return out[i].Record.Index < out[j].Record.Index })
 	return out
 }

@@ -100,6 +100,18 @@ func (c *Client) List(ctx context.Context) (Listing, error) {
 	return Listing{PID: resp.PID, Devices: resp.List}, err
 }
 
+// Stats reads every device's counters; none without a daemon.
+func (c *Client) Stats(ctx context.Context) ([]DeviceStats, error) {
+	resp, err := c.Call(ctx, Request{Op: OpStats}, false)
+	if errors.Is(err, ErrNoDaemon) {
+		return nil, nil
+	}
+	if err == nil {
+		err = resp.Err()
+	}
+	return resp.Stats, err
+}
+
 // Status reports how a device (path or spec) is doing, with its
 // allocated bytes if usage is set; ErrNotMapped if the daemon does not
 // have it.

@@ -5,6 +5,7 @@ import (
 	"path/filepath"
 
 	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
+	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
 )
 
 // The daemon answers one JSON Request with one JSON Response per
@@ -20,6 +21,8 @@ const (
 	OpList   = "list"
 	OpPing   = "ping"
 	OpStatus = "status"
+	// OpStats reads every device's request counters (iostat).
+	OpStats = "stats"
 )
 
 // Request is one call to the daemon.
@@ -76,10 +79,18 @@ type Response struct {
 	PID   int    `json:"pid"`
 	// Instance tells daemons apart (pids repeat across containers): a
 	// random word each daemon picks at start.
-	Instance string   `json:"instance,omitempty"`
-	Record   *Record  `json:"record,omitempty"`
-	List     []Record `json:"list,omitempty"`
-	Status   *Status  `json:"status,omitempty"`
+	Instance string        `json:"instance,omitempty"`
+	Record   *Record       `json:"record,omitempty"`
+	List     []Record      `json:"list,omitempty"`
+	Status   *Status       `json:"status,omitempty"`
+	Stats    []DeviceStats `json:"stats,omitempty"`
+}
+
+// DeviceStats is one device's request counters since its map (or the
+// daemon's start).
+type DeviceStats struct {
+	Record Record       `json:"record"`
+	Stats  nbd.Snapshot `json:"stats"`
 }
 
 // Status is how a device is doing, as the daemon sees it: what a CSI

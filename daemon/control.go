@@ -102,6 +102,8 @@ func handle(m *attach.Manager, req control.Request) control.Response {
 		return one(control.Record{}, m.UnmapCookie(req.Target, req.Cookie))
 	case control.OpDetach:
 		return one(control.Record{}, m.Detach(req.Target))
+	case control.OpStats:
+		return control.Response{Stats: m.Stats()}
 	case control.OpStatus:
 		st, err := m.Status(req.Target, req.Usage)
 		if err != nil {

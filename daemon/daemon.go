@@ -327,7 +327,7 @@ func deviceMetrics(m *attach.Manager) metrics.Source {
 	return func() []metrics.Device {
 		var out []metrics.Device
 		for _, d := range m.Stats() {
-			out = append(out, metrics.ForSpec(d.Rec.Device(), d.Rec.Spec, d.Rec.Cookie, d.Stats))
+			out = append(out, metrics.ForSpec(d.Record.Device(), d.Record.Spec, d.Record.Cookie, d.Stats))
 		}
 		return out
 	}

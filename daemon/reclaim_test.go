@@ -95,9 +95,12 @@ func TestSettleFreesDeadGoroutineStacks(t *testing.T) {
 	// ended on, is the scheduler's choice, and the list of the P that
 	// stays is not purged: so a few attempts, and the first that kept
 	// something and freed most of it passes. A settle that frees
-	// nothing fails them all.
+	// nothing fails them all. On a loaded machine the goroutines may all
+	// run on a P or two, and no attempt keeps enough to measure: skipped
+	// then, not passed.
 	var kept, freed int64
-	for range 5 {
+	tested := false
+	for range 10 {
 		runtime.GOMAXPROCS(8)
 		p := &procs{busy: 8, idle: 2, devices: func() int { return 0 }}
 		base := stacks()
@@ -117,11 +120,17 @@ func TestSettleFreesDeadGoroutineStacks(t *testing.T) {
 		after := stacks()
 		kept, freed = before-base, before-after
 		t.Logf("goroutine stacks: %d KiB kept after they ended, %d KiB of them freed once settled", kept>>10, freed>>10)
-		if kept >= 512<<10 && freed >= 256<<10 {
-			return
+		if kept >= 256<<10 {
+			if freed >= kept/2 {
+				return
+			}
+			tested = true
 		}
 	}
-	t.Fatalf("settling freed %d KiB of the %d KiB of stacks ended goroutines kept, want at least 256 KiB of 512", freed>>10, kept>>10)
+	if !tested {
+		t.Skipf("no attempt kept 256 KiB of stacks (the goroutines ran on few Ps: a loaded machine); last kept %d KiB", kept>>10)
+	}
+	t.Fatalf("settling freed %d KiB of the %d KiB of stacks ended goroutines kept, want at least half", freed>>10, kept>>10)
 }
 
 // TestProcsWidth: the scheduler is wide while devices are served or

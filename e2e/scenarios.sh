@@ -39,6 +39,7 @@ assert (d[\"pool\"],d[\"namespace\"],d[\"image\"],d[\"snap\"],d[\"device\"],d[\"
 assert isinstance(d[\"id\"], int) and d[\"id\"]>0"'
 	check "backend identifier is the cookie" eval '[ "$(cat /sys/block/${dev#/dev/}/backend)" = csi-vol-b ]'
 	check "the key is not in any argv" eval '! grep -qF "$(cat $work/admin.key)" /proc/[0-9]*/cmdline'
+	check "the metrics name the image, and carry no key" eval 'scrape >$work/mb && grep -q "image=\"vol-b\"" $work/mb && ! grep -qF "$(cat $work/admin.key)" $work/mb'
 	check "mkfs.xfs" mkfs.xfs -q -f "$dev"
 	mkdir -p "$work/mnt"
 	check "mount xfs" mount "$dev" "$work/mnt"
@@ -357,7 +358,60 @@ scenario_k() { # many devices mapped and unmapped under load: no unmap waits for
 	check "list-mapped is empty" no_devices
 }
 
-[ $# -gt 0 ] || set -- a b c d e f g h i j k
+# Every daemon these scenarios start serves metrics: all of them run
+# with it on, and scenario l checks what it says.
+export RBD_NBD_GO_METRICS_ADDRESS=127.0.0.1:9190
+scrape() { # scrape: the daemon's metrics, one series a line
+	python3 -c 'import urllib.request; print(urllib.request.urlopen("http://127.0.0.1:9190/metrics", timeout=10).read().decode())'
+}
+series() { # series FILE NAME DEVICE [OP]: a device's counter in a scrape (0 if absent)
+	awk -v n="$2" -v d="device=\"$3\"" -v o="op=\"${4:-}\"" \
+		'index($0, n "{") == 1 && index($0, d) && (o == "op=\"\"" || index($0, o)) {v = $NF} END {printf "%d\n", v + 0}' "$1"
+}
+
+scenario_l() { # metrics and iostat: what fio did through /dev/nbd, a series gone at unmap
+	local dev d
+	check "map mem:256M" eval 'dev=$($B map mem:256M) && [ -b "$dev" ]'
+	udevadm settle 2>/dev/null
+	check "the daemon's metrics endpoint answers on loopback" eval 'scrape >$work/m0'
+	# iodepth 1: the block layer merges nothing, so each fio I/O is one
+	# NBD request.
+	timeout 300 fio --name=w --filename="$dev" --direct=1 --ioengine=libaio --rw=randwrite --bs=4k --size=16M \
+		--iodepth=1 --output-format=terse >"$work/fio-l1" 2>&1
+	scrape >"$work/m1"
+	timeout 300 fio --name=r --filename="$dev" --direct=1 --ioengine=libaio --rw=randread --bs=64k --size=16M \
+		--iodepth=1 --output-format=terse >"$work/fio-l2" 2>&1
+	scrape >"$work/m2"
+	local w=$(( $(series $work/m1 rbd_nbd_requests_total $dev write) - $(series $work/m0 rbd_nbd_requests_total $dev write) ))
+	local wb=$(( $(series $work/m1 rbd_nbd_bytes_total $dev write) - $(series $work/m0 rbd_nbd_bytes_total $dev write) ))
+	local r=$(( $(series $work/m2 rbd_nbd_requests_total $dev read) - $(series $work/m1 rbd_nbd_requests_total $dev read) ))
+	local rb=$(( $(series $work/m2 rbd_nbd_bytes_total $dev read) - $(series $work/m1 rbd_nbd_bytes_total $dev read) ))
+	log "  fio 4096 writes of 4k, then 256 reads of 64k: the daemon counted $w writes ($wb bytes), $r reads ($rb bytes)"
+	check "writes as fio did them (4096 within 1 %, 16 MiB exact)" eval '[ $w -ge 4055 ] && [ $w -le 4137 ] && [ $wb -eq 16777216 ]'
+	check "reads as fio did them (256 within 1 %, 16 MiB exact)" eval '[ $r -ge 253 ] && [ $r -le 259 ] && [ $rb -eq 16777216 ]'
+	check "backend latency histogram counts every write" eval '[ $(series $work/m1 rbd_nbd_request_backend_seconds_count $dev write) -eq $(series $work/m1 rbd_nbd_requests_total $dev write) ]'
+	check "nothing in flight, the device's connection live" eval '[ $(series $work/m2 rbd_nbd_requests_in_flight $dev) -eq 0 ] && [ $(series $work/m2 rbd_nbd_connections $dev) -eq 1 ]'
+	# iostat beside a fio of known rate: 100 writes/s for 9 s.
+	timeout 60 fio --name=rate --filename="$dev" --direct=1 --ioengine=libaio --rw=randwrite --bs=4k --size=64M \
+		--iodepth=4 --rate_iops=100 --time_based --runtime=9 --output-format=terse >"$work/fio-l3" 2>&1 &
+	local fpid=$!
+	sleep 1
+	$B iostat "${dev#/dev/}" -i 2 --count 3 | tee "$work/iostat-l"
+	$B iostat "$dev" -i 2 --count 1 --format json >"$work/iostat-l.json"
+	wait $fpid
+	check "iostat saw fio's 100 writes/s (90-110)" eval 'python3 -c "
+import json; r=json.load(open(\"$work/iostat-l.json\"))[\"devices\"][0]
+assert r[\"device\"]==\"$dev\" and 90 <= r[\"write\"][\"iops\"] <= 110, r"'
+	check "iostat of a device not mapped: one line, exit non-zero" eval '! $B iostat /dev/nbd99 --count 1 2>$work/err && [ $(wc -l <$work/err) -eq 1 ]'
+	check "unmap" $B unmap "$dev"
+	check "the unmapped device's series are gone" eval 'scrape >$work/m3 && ! grep -q "device=\"$dev\"" $work/m3'
+	# 9190 is 0x23E6; 0100007F is 127.0.0.1. Listening there, and on no
+	# other address.
+	check "the endpoint listens on loopback only" eval 'awk "\$4 == \"0A\"" /proc/net/tcp /proc/net/tcp6 | grep ":23E6 " >$work/l9190; grep -q "0100007F:23E6" $work/l9190 && [ $(wc -l <$work/l9190) -eq 1 ]'
+	check "list-mapped is empty" no_devices
+}
+
+[ $# -gt 0 ] || set -- a b c d e f g h i j k l
 for s in "$@"; do run_scenario "$s" "scenario_$s"; done
 [ $cluster_up -eq 1 ] && scripts/ceph-dev-cluster stop "$work/ceph" >/dev/null 2>&1
 pkill -f "$B daemon" 2>/dev/null

@@ -40,6 +40,7 @@ type collector struct {
 	src                        Source
 	reqs, bytes, queued, inRBD *prometheus.Desc
 	errs, inflight, loans, spl *prometheus.Desc
+	conns, closed              *prometheus.Desc
 	devices                    *prometheus.Desc
 }
 
@@ -59,12 +60,16 @@ func NewCollector(src Source) prometheus.Collector {
 		inflight: d("requests_in_flight", "Requests in the backend now."),
 		loans:    d("read_loans_total", "READs answered with data the backend lent (no copy into our buffers)."),
 		spl:      d("spliced_bytes_total", "READ payload bytes sent to the kernel by reference (zero-copy)."),
-		devices:  prometheus.NewDesc("rbd_nbd_devices", "Devices this process serves.", nil, nil),
+		conns:    d("connections", "Connections (kernel sockets) being served now."),
+		closed: d("connections_closed_total",
+			"Connections that ended: the kernel gave up on a socket, a reconfigure, a handover, a client leaving."),
+		devices: prometheus.NewDesc("rbd_nbd_devices", "Devices this process serves.", nil, nil),
 	}
 }
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.reqs, c.bytes, c.queued, c.inRBD, c.errs, c.inflight, c.loans, c.spl, c.devices} {
+	for _, d := range []*prometheus.Desc{c.reqs, c.bytes, c.queued, c.inRBD, c.errs, c.inflight, c.loans, c.spl,
+		c.conns, c.closed, c.devices} {
 		ch <- d
 	}
 }
@@ -90,6 +95,8 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.inflight, prometheus.GaugeValue, float64(s.InFlight), l...)
 		ch <- prometheus.MustNewConstMetric(c.loans, prometheus.CounterValue, float64(s.Loans), l...)
 		ch <- prometheus.MustNewConstMetric(c.spl, prometheus.CounterValue, float64(s.Spliced), l...)
+		ch <- prometheus.MustNewConstMetric(c.conns, prometheus.GaugeValue, float64(s.Conns), l...)
+		ch <- prometheus.MustNewConstMetric(c.closed, prometheus.CounterValue, float64(s.Closed), l...)
 	}
 }
 

@@ -137,6 +137,10 @@ func newConn(s *Server, w *wire, rd io.Reader, sess *session) *conn {
 }
 
 func (c *conn) serve() error {
+	if c.stats != nil {
+		c.stats.conns.Add(1)
+		defer func() { c.stats.conns.Add(-1); c.stats.closed.Add(1) }()
+	}
 	c.pool.dog.add(c)
 	defer c.pool.dog.remove(c)
 	go c.writer()

@@ -17,6 +17,8 @@ type Stats struct {
 	ops      [numCmds]opStats
 	errs     [len(statErrnos)]atomic.Uint64
 	inflight atomic.Int64
+	conns    atomic.Int64  // connections being served
+	closed   atomic.Uint64 // connections that ended
 	loans    atomic.Uint64
 	spliced  atomic.Uint64
 }
@@ -114,6 +116,11 @@ type Snapshot struct {
 	Errors map[string]uint64
 	// InFlight is the requests in the backend now.
 	InFlight int64
+	// Conns is the connections being served now; Closed counts those
+	// that ended (the kernel gave up on a socket, a reconfigure, a
+	// handover, a client disconnecting).
+	Conns  int64
+	Closed uint64
 	// Loans counts READs answered with data the backend lent; Spliced
 	// the bytes of those sent by reference (zero-copy).
 	Loans, Spliced uint64
@@ -190,7 +197,8 @@ func (h HistogramSnapshot) Sub(old HistogramSnapshot) HistogramSnapshot {
 // may be a request apart.
 func (s *Stats) Snapshot() Snapshot {
 	out := Snapshot{Ops: map[string]OpSnapshot{}, Errors: map[string]uint64{},
-		InFlight: s.inflight.Load(), Loans: s.loans.Load(), Spliced: s.spliced.Load()}
+		InFlight: s.inflight.Load(), Conns: s.conns.Load(), Closed: s.closed.Load(),
+		Loans: s.loans.Load(), Spliced: s.spliced.Load()}
 	for cmd := range s.ops {
 		o := &s.ops[cmd]
 		n := o.reqs.Load()

@@ -44,8 +44,8 @@ func TestStatsCount(t *testing.T) {
 	if w.Requests != 3 || w.Bytes != 3*4096 || r.Requests != 2 || r.Bytes != 8192+4096 {
 		t.Fatalf("write %d req %d B, read %d req %d B", w.Requests, w.Bytes, r.Requests, r.Bytes)
 	}
-	if sn.InFlight != 0 {
-		t.Fatalf("in flight %d after every reply", sn.InFlight)
+	if sn.InFlight != 0 || sn.Conns != 1 || sn.Closed != 0 {
+		t.Fatalf("in flight %d after every reply; conns %d, closed %d", sn.InFlight, sn.Conns, sn.Closed)
 	}
 	if sn.Errors["ENOSPC"] != 1 || sn.Errors["EINVAL"] != 1 || len(sn.Errors) != 2 {
 		t.Fatalf("errors %v", sn.Errors)

@@ -53,7 +53,7 @@ func newRoot(procs int) *cobra.Command {
 	}
 	g := &globalOpts{}
 	addGlobalFlags(root.PersistentFlags(), g)
-	root.AddCommand(newServe(g), newMap(g), newAttach(g), newUnmap(g), newDetach(g), newListMapped(g), newDaemon(g, procs),
+	root.AddCommand(newServe(g), newMap(g), newAttach(g), newUnmap(g), newDetach(g), newListMapped(g), newIostat(g), newDaemon(g, procs),
 		newCSI(g, version), newLiveness(g))
 	return root
 }
