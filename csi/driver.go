@@ -82,6 +82,12 @@ type NodeRegistry interface {
 	NodeExists(ctx context.Context, nodeID string) (bool, error)
 }
 
+// CallObserver hears of each CSI call as it ends: its full gRPC method,
+// its status code's name, and how long it took.
+type CallObserver interface {
+	ObserveCall(method, code string, took time.Duration)
+}
+
 // Config is everything the driver takes; cmd/ fills it from flags.
 type Config struct {
 	Name, Version string
@@ -122,6 +128,9 @@ type Config struct {
 	ControllerSecretDir string
 	// SlowCall: calls taking longer are logged as slow (default 10s).
 	SlowCall time.Duration
+	// Calls, if set, hears of every call's method, code and duration
+	// (the plugin's metrics).
+	Calls CallObserver
 	// DeviceWait bounds NodeExpand's wait for the device to show the new
 	// size (default 2 minutes).
 	DeviceWait time.Duration

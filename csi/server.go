@@ -106,6 +106,9 @@ func (d *Driver) logCalls(ctx context.Context, req any, info *grpc.UnaryServerIn
 	t0 := time.Now()
 	resp, err := h(ctx, req)
 	took := time.Since(t0)
+	if d.cfg.Calls != nil {
+		d.cfg.Calls.ObserveCall(info.FullMethod, status.Code(err).String(), took)
+	}
 	lvl := slog.LevelDebug
 	if err != nil {
 		lvl = slog.LevelInfo

@@ -5,7 +5,9 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
@@ -22,8 +24,21 @@ func (panicImages) ImageInfo(o ceph.Options, spec ceph.ImageSpec) (ceph.ImageInf
 	panic("boom")
 }
 
+// callLog is a CallObserver that keeps what it heard.
+type callLog struct {
+	mu    sync.Mutex
+	calls []string
+}
+
+func (c *callLog) ObserveCall(method, code string, took time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.calls = append(c.calls, method+" "+code)
+}
+
 func TestServerInterceptors(t *testing.T) {
-	r := newRig(t)
+	calls := &callLog{}
+	r := newRigWith(t, func(c *Config) { c.Calls = calls })
 	sock := filepath.Join(r.dir, "csi.sock")
 	l, err := Listen("unix://"+sock, false)
 	if err != nil {
@@ -68,5 +83,14 @@ func TestServerInterceptors(t *testing.T) {
 	// The server is still up.
 	if _, err := csi.NewIdentityClient(conn).GetPluginInfo(ctx, &csi.GetPluginInfoRequest{}); err != nil {
 		t.Fatal(err)
+	}
+	// Every call reached the metrics, with its code: the panic too.
+	calls.mu.Lock()
+	got := strings.Join(calls.calls, ", ")
+	calls.mu.Unlock()
+	want := "/csi.v1.Controller/CreateVolume OK, /csi.v1.Controller/CreateVolume PermissionDenied, " +
+		"/csi.v1.Controller/CreateVolume Internal, /csi.v1.Identity/GetPluginInfo OK"
+	if got != want {
+		t.Fatalf("observed calls %q, want %q", got, want)
 	}
 }

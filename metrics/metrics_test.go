@@ -73,3 +73,32 @@ rbd_nbd_errors_total{cookie="vol-1",device="/dev/nbd0",errno="EIO",image="img",n
 		t.Fatalf("%d series of an unmapped device", n)
 	}
 }
+
+// TestCSICalls: calls by method and code, with durations, under the
+// name csi-lib-utils gives plugins.
+func TestCSICalls(t *testing.T) {
+	reg := prometheus.NewPedanticRegistry()
+	c := NewCSICalls(reg, "rbd.csi.ceph.com")
+	c.ObserveCall("/csi.v1.Node/NodeStageVolume", "OK", 3*time.Second)
+	c.ObserveCall("/csi.v1.Node/NodeStageVolume", "OK", 20*time.Millisecond)
+	c.ObserveCall("/csi.v1.Controller/CreateVolume", "Aborted", time.Millisecond)
+	if n := testutil.CollectAndCount(c.h); n != 2 {
+		t.Fatalf("%d series, want one per method and code", n)
+	}
+	out, err := testutil.CollectAndFormat(c.h, expfmt.TypeTextPlain, "csi_plugin_operations_seconds")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range []string{
+		`csi_plugin_operations_seconds_count{driver_name="rbd.csi.ceph.com",grpc_status_code="OK",method_name="/csi.v1.Node/NodeStageVolume"} 2`,
+		`csi_plugin_operations_seconds_bucket{driver_name="rbd.csi.ceph.com",grpc_status_code="OK",method_name="/csi.v1.Node/NodeStageVolume",le="2.5"} 1`,
+		`csi_plugin_operations_seconds_count{driver_name="rbd.csi.ceph.com",grpc_status_code="Aborted",method_name="/csi.v1.Controller/CreateVolume"} 1`,
+	} {
+		if !strings.Contains(string(out), s) {
+			t.Errorf("no %s in\n%s", s, out)
+		}
+	}
+	if _, err := reg.Gather(); err != nil {
+		t.Fatal(err)
+	}
+}

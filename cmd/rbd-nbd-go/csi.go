@@ -9,6 +9,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spf13/cobra"
 	"golang.org/x/sync/errgroup"
 	"k8s.io/klog/v2"
@@ -20,6 +21,7 @@ import (
 	"github.com/rbd-nbd-go/rbd-nbd-go/csi/kubelet"
 	"github.com/rbd-nbd-go/rbd-nbd-go/internal/pidlimit"
 	"github.com/rbd-nbd-go/rbd-nbd-go/internal/profiling"
+	"github.com/rbd-nbd-go/rbd-nbd-go/metrics"
 	"github.com/rbd-nbd-go/rbd-nbd-go/rbdio"
 )
 
@@ -33,6 +35,7 @@ type csiOpts struct {
 	registrationPath             string
 	registrationDir              string
 	takeoverWait                 time.Duration
+	metricsAddress               string
 
 	// ceph-csi's own flags, so its Deployment's arguments work unchanged.
 	driverType       string
@@ -80,6 +83,8 @@ StorageClass parameters and Secret keys are ceph-csi's.`,
 		"register the node plugin with the kubelet, giving it this host path of the CSI socket (leave empty when node-driver-registrar does it)")
 	f.DurationVar(&o.takeoverWait, "takeover-wait", 45*time.Second,
 		"when stopped, keep the node daemon serving up to this long for a newer plugin's daemon to take its devices over (an upgrade)")
+	f.StringVar(&o.metricsAddress, "metrics-address", "",
+		"serve the plugin's Prometheus metrics (CSI calls by method and code, with durations) on HOST:PORT or PORT (loopback unless a host is given)")
 	f.StringVar(&o.registrationDir, "plugin-registration-dir", kubelet.DefaultRegistrationDir,
 		"the kubelet's plugin registration directory, as mounted in this container")
 	// ceph-csi's flags, with its names and defaults.
@@ -127,6 +132,13 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 		return err
 	} else if path != "" {
 		log.Info("set the pid limit", "limit", o.pidLimit, "file", path)
+	}
+	var reg *prometheus.Registry
+	if o.metricsAddress != "" {
+		if _, err := metrics.Address(o.metricsAddress); err != nil {
+			return err
+		}
+		reg = prometheus.NewRegistry()
 	}
 	cfg := csi.Config{Name: o.driverName, Version: version, NodeID: o.nodeID, Controller: o.controller,
 		Node: o.node, ClustersConfig: o.clustersConfig, KMSConfig: o.kmsConfig, StateDir: g.stateDir, Log: log, Limits: o.limits,
@@ -182,6 +194,9 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 		cfg.Daemon = c
 		cfg.Mounter = mount.NewSafeFormatAndMount(mount.New(""), utilexec.New())
 	}
+	if reg != nil {
+		cfg.Calls = metrics.NewCSICalls(reg, o.driverName)
+	}
 	d, err := csi.New(cfg)
 	if err != nil {
 		return err
@@ -193,10 +208,19 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 	// The registration socket opens beside the CSI socket, which already
 	// listens: the kubelet calls NodeGetInfo as soon as it learns of us.
 	// Either failing stops the other, and the plugin exits with the error.
-	var pl net.Listener
+	var pl, ml net.Listener
 	if o.profiling {
 		if pl, err = profiling.Listen(o.profilingAddress); err != nil {
 			l.Close()
+			return err
+		}
+	}
+	if reg != nil {
+		if ml, err = metrics.Listen(o.metricsAddress); err != nil {
+			l.Close()
+			if pl != nil {
+				pl.Close()
+			}
 			return err
 		}
 	}
@@ -204,6 +228,9 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 	eg.Go(func() error { return d.Serve(ectx, l) })
 	if pl != nil {
 		eg.Go(func() error { return profiling.Serve(ectx, pl, log) })
+	}
+	if ml != nil {
+		eg.Go(func() error { return metrics.Serve(ectx, ml, reg, log) })
 	}
 	if o.node && o.registrationPath != "" {
 		reg := &kubelet.Registration{Driver: o.driverName, Endpoint: o.registrationPath, Log: log}
