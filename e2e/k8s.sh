@@ -574,6 +574,21 @@ scenario_h() {
 		eval "! grep -rlsF -D skip -f $work/passphrase.grep /var/log/pods /run/rbd-nbd-go $LOGS >$work/why"
 }
 
+# --- metrics of the node plugin (deploy/kubernetes: on the node's address)
+scrape_url() { python3 -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())' "$1"; }
+image_writes() { # image_writes FILE IMAGE: the write requests a scrape counts for IMAGE
+	awk -v i="image=\"$2\"" 'index($0, "rbd_nbd_requests_total{") == 1 && index($0, i) && index($0, "op=\"write\"") {v = $NF} END {printf "%d\n", v + 0}' "$1"
+}
+metrics_rate() { # metrics_rate IP IMAGE: the daemon's metrics show IMAGE written, at a non-zero rate
+	local a b
+	scrape_url "http://$1:9190/metrics" >"$work/ma" || { echo "no device metrics at $1:9190" >"$work/why"; return 1; }
+	sleep 4
+	scrape_url "http://$1:9190/metrics" >"$work/mb" || return 1
+	a=$(image_writes "$work/ma" "$2") b=$(image_writes "$work/mb" "$2")
+	log "    the node's device metrics: $2 written $(((b - a) / 4)) times a second ($a, then $b)"
+	[ $((b - a)) -gt 40 ] || { echo "writes of $2: $a, then $b 4 s later" >"$work/why"; return 1; }
+}
+
 # --- i: a QoS limit changed live, under fio
 fio_rate() { # fio_rate POD FROM_MS: write IOPS of POD's fio (terse status lines, cumulative) from its runtime FROM_MS to the last line; and that runtime
 	awk -F';' -v from="$2" '/ F 3;fio-/ && $50 > 0 {
@@ -631,6 +646,10 @@ scenario_i() {
 	check "fio runs 14 s more on i-fast" fio_at i $((t + 14000))
 	read -r r2 _ < <(fio_rate i $((t + 2000)))
 	log "    i-slow (50): $r1 IOPS; i-fast (120): $r2 IOPS; status i-fast ${dt} s after the patch"
+	local ip
+	ip=$(kubectl -n $NS get pod -l app=rbd-nbd-go-node -o jsonpath='{.items[0].status.podIP}')
+	check "the node's device metrics show the PVC's image written while fio runs" metrics_rate "$ip" "$img"
+	check "the node plugin's CSI metrics count its NodeStageVolume calls" eval "scrape_url http://$ip:9191/metrics | grep -q '^csi_plugin_operations_seconds_count{driver_name=\"rbd-nbd-go.csi.io\",grpc_status_code=\"OK\",method_name=\"/csi.v1.Node/NodeStageVolume\"} [1-9]'"
 	check "the image's write-IOPS limit is i-fast's, 120" eval "[ \"\$(rbd config image get rbd/$img rbd_qos_write_iops_limit)\" = 120 ]"
 	check "the same device throughout, no remap" eval "[ \"\$(ls /sys/block/nbd*/pid)\" = '$devs' ]"
 	check "fio under i-slow: $r1 IOPS, within 15 % of 50" within "$r1" 50 15

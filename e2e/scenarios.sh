@@ -371,7 +371,7 @@ series() { # series FILE NAME DEVICE [OP]: a device's counter in a scrape (0 if 
 
 scenario_l() { # metrics and iostat: what fio did through /dev/nbd, a series gone at unmap
 	local dev d
-	check "map mem:256M" eval 'dev=$($B map mem:256M) && [ -b "$dev" ]'
+	check "map mem:256M, 2 connections" eval 'dev=$($B map --connections 2 mem:256M) && [ -b "$dev" ]'
 	udevadm settle 2>/dev/null
 	check "the daemon's metrics endpoint answers on loopback" eval 'scrape >$work/m0'
 	# iodepth 1: the block layer merges nothing, so each fio I/O is one
@@ -390,14 +390,15 @@ scenario_l() { # metrics and iostat: what fio did through /dev/nbd, a series gon
 	check "writes as fio did them (4096 within 1 %, 16 MiB exact)" eval '[ $w -ge 4055 ] && [ $w -le 4137 ] && [ $wb -eq 16777216 ]'
 	check "reads as fio did them (256 within 1 %, 16 MiB exact)" eval '[ $r -ge 253 ] && [ $r -le 259 ] && [ $rb -eq 16777216 ]'
 	check "backend latency histogram counts every write" eval '[ $(series $work/m1 rbd_nbd_request_backend_seconds_count $dev write) -eq $(series $work/m1 rbd_nbd_requests_total $dev write) ]'
-	check "nothing in flight, the device's connection live" eval '[ $(series $work/m2 rbd_nbd_requests_in_flight $dev) -eq 0 ] && [ $(series $work/m2 rbd_nbd_connections $dev) -eq 1 ]'
-	# iostat beside a fio of known rate: 100 writes/s for 9 s.
+	check "nothing in flight, both connections live" eval '[ $(series $work/m2 rbd_nbd_requests_in_flight $dev) -eq 0 ] && [ $(series $work/m2 rbd_nbd_connections $dev) -eq 2 ]'
+	# iostat beside a fio of known rate: 100 writes/s for 12 s, read by
+	# iostat from 1 s to 9 s in.
 	timeout 60 fio --name=rate --filename="$dev" --direct=1 --ioengine=libaio --rw=randwrite --bs=4k --size=64M \
-		--iodepth=4 --rate_iops=100 --time_based --runtime=9 --output-format=terse >"$work/fio-l3" 2>&1 &
+		--iodepth=4 --rate_iops=100 --time_based --runtime=12 --output-format=terse >"$work/fio-l3" 2>&1 &
 	local fpid=$!
 	sleep 1
-	$B iostat "${dev#/dev/}" -i 2 --count 3 | tee "$work/iostat-l"
 	$B iostat "$dev" -i 2 --count 1 --format json >"$work/iostat-l.json"
+	$B iostat "${dev#/dev/}" -i 2 --count 3 | tee "$work/iostat-l"
 	wait $fpid
 	check "iostat saw fio's 100 writes/s (90-110)" eval 'python3 -c "
 import json; r=json.load(open(\"$work/iostat-l.json\"))[\"devices\"][0]

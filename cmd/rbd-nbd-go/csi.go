@@ -208,19 +208,10 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 	// The registration socket opens beside the CSI socket, which already
 	// listens: the kubelet calls NodeGetInfo as soon as it learns of us.
 	// Either failing stops the other, and the plugin exits with the error.
-	var pl, ml net.Listener
+	var pl net.Listener
 	if o.profiling {
 		if pl, err = profiling.Listen(o.profilingAddress); err != nil {
 			l.Close()
-			return err
-		}
-	}
-	if reg != nil {
-		if ml, err = metrics.Listen(o.metricsAddress); err != nil {
-			l.Close()
-			if pl != nil {
-				pl.Close()
-			}
 			return err
 		}
 	}
@@ -229,8 +220,10 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 	if pl != nil {
 		eg.Go(func() error { return profiling.Serve(ectx, pl, log) })
 	}
-	if ml != nil {
-		eg.Go(func() error { return metrics.Serve(ectx, ml, reg, log) })
+	if reg != nil {
+		// In an upgrade the old pod holds the port until it stops:
+		// retried, and never a reason to stop serving CSI.
+		eg.Go(func() error { metrics.ServeRetrying(ectx, o.metricsAddress, reg, log); return nil })
 	}
 	if o.node && o.registrationPath != "" {
 		reg := &kubelet.Registration{Driver: o.driverName, Endpoint: o.registrationPath, Log: log}
