@@ -3,6 +3,7 @@ package control
 import (
 	"errors"
 	"fmt"
+	"regexp"
 	"time"
 
 	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
@@ -32,10 +33,18 @@ type Record struct {
 	Ceph       ceph.Options    `json:"ceph"`
 	Encryption ceph.Encryption `json:"encryption,omitzero"`
 
+	// PVC and PVCNamespace name the Kubernetes claim a CSI volume serves,
+	// when the provisioner passed them: labels of the device's metrics.
+	PVC          string `json:"pvc,omitempty"`
+	PVCNamespace string `json:"pvc_namespace,omitempty"`
+
 	// Detached devices keep their kernel side (waiting for a reattach)
 	// but are not served, and a restart does not reattach them.
 	Detached bool `json:"detached,omitempty"`
 }
+
+// k8sName matches a Kubernetes object name (DNS subdomain), or nothing.
+var k8sName = regexp.MustCompile(`^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)?$`)
 
 // Device is the device node path.
 func (r Record) Device() string { return fmt.Sprintf("/dev/nbd%d", r.Index) }
@@ -75,6 +84,11 @@ func (r Record) Validate() error {
 	sp, err := devspec.Parse(r.Spec)
 	if err != nil {
 		return err
+	}
+	// Kubernetes names: a DNS subdomain, a namespace a DNS label. They
+	// become metric labels, so nothing longer or stranger gets in.
+	if !k8sName.MatchString(r.PVC) || len(r.PVC) > 253 || !k8sName.MatchString(r.PVCNamespace) || len(r.PVCNamespace) > 63 {
+		return fmt.Errorf("bad PVC %q in namespace %q: want Kubernetes names", r.PVC, r.PVCNamespace)
 	}
 	if !sp.IsRBD() && (r.Exclusive || r.Encryption.Format != "") {
 		return errors.New("exclusive lock and encryption apply to RBD images only")

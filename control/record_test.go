@@ -11,7 +11,7 @@ import (
 )
 
 func TestValidate(t *testing.T) {
-	ok := Record{Index: AnyIndex, Spec: "pool/img", MapOptions: MapOptions{Connections: 4}}
+	ok := Record{Index: AnyIndex, Spec: "pool/img", MapOptions: MapOptions{Connections: 4}, PVC: "data-0.x", PVCNamespace: "shop"}
 	if err := ok.Validate(); err != nil {
 		t.Fatal(err)
 	}
@@ -27,6 +27,8 @@ func TestValidate(t *testing.T) {
 		"needs an encryption": func(r *Record) { r.Encryption = ceph.Encryption{Passphrase: "x"} },
 		"needs a passphrase":  func(r *Record) { r.Encryption = ceph.Encryption{Format: "luks"} },
 		"bad device index":    func(r *Record) { r.Index = -7 },
+		"bad PVC":             func(r *Record) { r.PVC = "Data Vol" },
+		"bad PVC ":            func(r *Record) { r.PVC, r.PVCNamespace = "data", strings.Repeat("n", 64) },
 	} {
 		r := ok
 		mod(&r)

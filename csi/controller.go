@@ -191,7 +191,7 @@ func (d *Driver) createVolume(o ceph.Options, name string, vol volume, p params,
 			return nil, err
 		}
 	} else {
-		meta := volumeMeta(name, "", volumeKind(accs))
+		meta := volumeMeta(name, "", volumeKind(accs), p.Owner)
 		var pass []byte
 		if p.Encryption.On {
 			var em map[string]string
@@ -226,8 +226,9 @@ func (d *Driver) createVolume(o ceph.Options, name string, vol volume, p params,
 }
 
 // volumeMeta is the metadata a new volume's image gets.
-func volumeMeta(name, source, kind string) map[string]string {
-	m := map[string]string{metaName: name}
+func volumeMeta(name, source, kind string, o owner) map[string]string {
+	m := o.meta()
+	m[metaName] = name
 	if source != "" {
 		m[metaSource] = source
 	}
@@ -354,7 +355,7 @@ func (d *Driver) adopt(o ceph.Options, name string, vol volume, p params, accs [
 			return info, err
 		}
 	}
-	meta := volumeMeta(name, wantSrc, volumeKind(accs))
+	meta := volumeMeta(name, wantSrc, volumeKind(accs), p.Owner)
 	maps.Copy(meta, srcKey)
 	var rm []string
 	if src != nil {
@@ -394,6 +395,9 @@ func volumeContext(p params, vol volume) map[string]string {
 	}
 	if p.MapOptions != "" {
 		c["mapOptions"] = "nbd:" + p.MapOptions
+	}
+	if p.Owner.PVC != "" {
+		c["pvcName"], c["pvcNamespace"] = p.Owner.PVC, p.Owner.Namespace
 	}
 	p.Encryption.context(c)
 	return c

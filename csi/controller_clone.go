@@ -181,7 +181,7 @@ func (d *Driver) cloneVolume(o ceph.Options, name string, vol volume, p params, 
 	if !slices.Contains(features, "layering") {
 		features = append(append([]string{}, features...), "layering")
 	}
-	meta := volumeMeta(name, src.id(), kind)
+	meta := volumeMeta(name, src.id(), kind, p.Owner)
 	maps.Copy(meta, srcKey)
 	err = d.cfg.Images.CloneImage(o, parent, vol.Spec, ceph.NewImage{Size: imageBytes(size, p.Encryption.On),
 		Features: features, DataPool: p.DataPool, Meta: meta})
@@ -298,7 +298,8 @@ func (d *Driver) dropCloneSnapshot(o ceph.Options, source, name string) {
 // or sealed a key the clone's KMS does not use.
 func notInherited(meta, parent map[string]string) []string {
 	var rm []string
-	for _, k := range []string{metaGoneFrom, metaDEK, metaDEKSalt, metaEncrypted, metaKMSID, metaKeyOf} {
+	for _, k := range []string{metaGoneFrom, metaDEK, metaDEKSalt, metaEncrypted, metaKMSID, metaKeyOf,
+		keyPVCName, keyPVCNamespace, keyPVName} {
 		_, ours := meta[k]
 		if _, theirs := parent[k]; theirs && !ours {
 			rm = append(rm, k)

@@ -2,6 +2,8 @@ package csi
 
 import (
 	"context"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -9,6 +11,8 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
 )
 
 // wantCode fails unless err has code c and its message contains each of
@@ -173,4 +177,42 @@ func TestExpandVolume(t *testing.T) {
 	_, err = r.d.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: v.VolumeId,
 		CapacityRange: &csi.CapacityRange{RequiredBytes: 4 << 20}})
 	wantCode(t, "expand without secrets", err, codes.InvalidArgument, "userID")
+}
+
+// The provisioner's PVC name and namespace (--extra-create-metadata) go
+// to the image's metadata under its own keys, and through the volume
+// context to the node's map: the daemon's metrics label the device with
+// them. A clone takes its own PVC's, not its source's.
+func TestPVCOwnerReachesTheMap(t *testing.T) {
+	r := newRig(t)
+	params := map[string]string{"clusterID": "c1", "pool": "rbd", keyPVCName: "data", keyPVCNamespace: "shop",
+		keyPVName: "pvc-1234"}
+	v := r.create(t, "pvc-1234", 64<<20, params)
+	o := ceph.Options{Key: "AQDkey", MonHost: "m"}
+	info, err := r.images.ImageInfo(o, ceph.ImageSpec{Pool: "rbd", Image: imageName("pvc-1234")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.Meta[keyPVCName] != "data" || info.Meta[keyPVCNamespace] != "shop" || info.Meta[keyPVName] != "pvc-1234" {
+		t.Fatalf("image metadata %v", info.Meta)
+	}
+	if c := v.VolumeContext; c["pvcName"] != "data" || c["pvcNamespace"] != "shop" {
+		t.Fatalf("volume context %v", c)
+	}
+	staging := filepath.Join(r.dir, "staging")
+	os.Mkdir(staging, 0o750)
+	if _, err := r.d.NodeStageVolume(context.Background(), r.stageReq(v, staging, mountCap("ext4", rwo))); err != nil {
+		t.Fatal(err)
+	}
+	if m := r.att.maps[0]; m.PVC != "data" || m.PVCNamespace != "shop" {
+		t.Fatalf("map asked with PVC %q in %q", m.PVC, m.PVCNamespace)
+	}
+	clone, err := r.restore("pvc-5678", volSourceOf(v.VolumeId), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, _ = r.images.ImageInfo(o, ceph.ImageSpec{Pool: "rbd", Image: imageName("pvc-5678")})
+	if _, ok := info.Meta[keyPVCName]; ok || clone.VolumeContext["pvcName"] != "" {
+		t.Fatalf("a clone made without a PVC kept its source's: %v %v", info.Meta, clone.VolumeContext)
+	}
 }

@@ -93,7 +93,8 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 	// crash-consistent.
 	mo.Quiesce = !ro
 	dev := control.Record{Index: control.AnyIndex, Spec: vol.Spec.String(), Cookie: id, MapOptions: mo,
-		Ceph: cl.options(creds, 0)}
+		Ceph: cl.options(creds, 0), PVC: req.GetVolumeContext()["pvcName"],
+		PVCNamespace: req.GetVolumeContext()["pvcNamespace"]}
 	if err := d.stageKey(cl.options(creds, controllerOSDTimeout), vol, req.GetVolumeContext(), req.GetSecrets(), &dev); err != nil {
 		return nil, err
 	}

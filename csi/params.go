@@ -23,6 +23,33 @@ type params struct {
 	UnmapOptions string // accepted for compatibility; unmap takes none
 	QoS          qos    // qos.go
 	Encryption   encryption
+	// Owner is the PVC the volume is made for, when the provisioner
+	// passes it (--extra-create-metadata).
+	Owner owner
+}
+
+// owner is a volume's PVC and PV, as the external-provisioner names them
+// with --extra-create-metadata. Stored in the image's metadata under the
+// same keys (ceph-csi's --setmetadata does the same), and passed to the
+// node so the daemon's metrics can say which PVC a device serves.
+type owner struct{ PVC, Namespace, PV string }
+
+// The provisioner's keys, as parameters and as image metadata.
+const (
+	keyPVCName      = "csi.storage.k8s.io/pvc/name"
+	keyPVCNamespace = "csi.storage.k8s.io/pvc/namespace"
+	keyPVName       = "csi.storage.k8s.io/pv/name"
+)
+
+// meta is o as image metadata.
+func (o owner) meta() map[string]string {
+	m := map[string]string{}
+	for k, v := range map[string]string{keyPVCName: o.PVC, keyPVCNamespace: o.Namespace, keyPVName: o.PV} {
+		if v != "" {
+			m[k] = v
+		}
+	}
+	return m
 }
 
 // defaultFeatures: exclusive-lock is what lets RWO volumes map with the
@@ -52,6 +79,12 @@ func parseParams(in map[string]string, mapDefaults control.MapOptions) (params, 
 		v := in[k]
 		var err error
 		switch k {
+		case keyPVCName:
+			p.Owner.PVC = v
+		case keyPVCNamespace:
+			p.Owner.Namespace = v
+		case keyPVName:
+			p.Owner.PV = v
 		case "clusterID":
 			p.ClusterID = v
 		case "pool":

@@ -327,7 +327,9 @@ func deviceMetrics(m *attach.Manager) metrics.Source {
 	return func() []metrics.Device {
 		var out []metrics.Device
 		for _, d := range m.Stats() {
-			out = append(out, metrics.ForSpec(d.Record.Device(), d.Record.Spec, d.Record.Cookie, d.Stats))
+			md := metrics.ForSpec(d.Record.Device(), d.Record.Spec, d.Record.Cookie, d.Stats)
+			md.PVC, md.PVCNamespace = d.Record.PVC, d.Record.PVCNamespace
+			out = append(out, md)
 		}
 		return out
 	}

@@ -649,6 +649,7 @@ scenario_i() {
 	local ip
 	ip=$(kubectl -n $NS get pod -l app=rbd-nbd-go-node -o jsonpath='{.items[0].status.podIP}')
 	check "the node's device metrics show the PVC's image written while fio runs" metrics_rate "$ip" "$img"
+	check "its series name the PVC (extra-create-metadata)" eval "grep '^rbd_nbd_requests_total{' $work/mb | grep 'image=\"$img\"' | grep -q 'pvc=\"i\",pvc_namespace=\"default\"'"
 	check "the node plugin's CSI metrics count its NodeStageVolume calls" eval "scrape_url http://$ip:9191/metrics | grep -q '^csi_plugin_operations_seconds_count{driver_name=\"rbd-nbd-go.csi.io\",grpc_status_code=\"OK\",method_name=\"/csi.v1.Node/NodeStageVolume\"} [1-9]'"
 	check "the image's write-IOPS limit is i-fast's, 120" eval "[ \"\$(rbd config image get rbd/$img rbd_qos_write_iops_limit)\" = 120 ]"
 	check "the same device throughout, no remap" eval "[ \"\$(ls /sys/block/nbd*/pid)\" = '$devs' ]"

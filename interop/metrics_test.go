@@ -40,7 +40,7 @@ func TestServeMetrics(t *testing.T) {
 	m := parseMetrics(string(body))
 	want := func(name, op string, n float64, tol float64) {
 		t.Helper()
-		key := name + `{cookie="",device="unix:` + s.socket + `",image="mem:64M",namespace="",op="` + op + `",pool=""}`
+		key := name + `{cookie="",device="unix:` + s.socket + `",image="mem:64M",namespace="",op="` + op + `",pool="",pvc="",pvc_namespace=""}`
 		got, ok := m[key]
 		if !ok {
 			t.Fatalf("no %s in the scrape:\n%s", key, body)
@@ -53,8 +53,8 @@ func TestServeMetrics(t *testing.T) {
 	want("rbd_nbd_bytes_total", "write", 16<<20, 0)
 	want("rbd_nbd_requests_total", "read", 256, 0.01)
 	want("rbd_nbd_bytes_total", "read", 16<<20, 0)
-	want("rbd_nbd_request_backend_seconds_count", "write", m[`rbd_nbd_requests_total{cookie="",device="unix:`+s.socket+`",image="mem:64M",namespace="",op="write",pool=""}`], 0)
-	if v := m[`rbd_nbd_requests_in_flight{cookie="",device="unix:`+s.socket+`",image="mem:64M",namespace="",pool=""}`]; v != 0 {
+	want("rbd_nbd_request_backend_seconds_count", "write", m[`rbd_nbd_requests_total{cookie="",device="unix:`+s.socket+`",image="mem:64M",namespace="",op="write",pool="",pvc="",pvc_namespace=""}`], 0)
+	if v := m[`rbd_nbd_requests_in_flight{cookie="",device="unix:`+s.socket+`",image="mem:64M",namespace="",pool="",pvc="",pvc_namespace=""}`]; v != 0 {
 		t.Errorf("%v requests in flight after fio ended", v)
 	}
 	if m["rbd_nbd_devices"] != 1 || m["go_goroutines"] == 0 || m["process_cpu_seconds_total"] == 0 {

@@ -27,13 +27,16 @@ import (
 // name it and nothing else: never a key or a secret.
 type Device struct {
 	Device, Pool, Namespace, Image, Cookie string
-	Stats                                  nbd.Snapshot
+	// PVC and PVCNamespace: the Kubernetes claim, for a CSI volume whose
+	// provisioner named it.
+	PVC, PVCNamespace string
+	Stats             nbd.Snapshot
 }
 
 // Source lists the devices at a scrape.
 type Source func() []Device
 
-var deviceLabels = []string{"device", "pool", "namespace", "image", "cookie"}
+var deviceLabels = []string{"device", "pool", "namespace", "image", "cookie", "pvc", "pvc_namespace"}
 
 // collector turns a Source into metrics at each scrape.
 type collector struct {
@@ -78,7 +81,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	devs := c.src()
 	ch <- prometheus.MustNewConstMetric(c.devices, prometheus.GaugeValue, float64(len(devs)))
 	for _, d := range devs {
-		l := []string{d.Device, d.Pool, d.Namespace, d.Image, d.Cookie}
+		l := []string{d.Device, d.Pool, d.Namespace, d.Image, d.Cookie, d.PVC, d.PVCNamespace}
 		with := func(v string) []string { return append(append([]string{}, l...), v) }
 		s := d.Stats
 		for op, o := range s.Ops {

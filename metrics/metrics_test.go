@@ -51,10 +51,10 @@ func TestCollector(t *testing.T) {
 	want := `
 # HELP rbd_nbd_requests_total NBD requests answered, by command.
 # TYPE rbd_nbd_requests_total counter
-rbd_nbd_requests_total{cookie="vol-1",device="/dev/nbd0",image="img",namespace="",op="write",pool="rbd"} 4
+rbd_nbd_requests_total{cookie="vol-1",device="/dev/nbd0",image="img",namespace="",op="write",pool="rbd",pvc="",pvc_namespace=""} 4
 # HELP rbd_nbd_errors_total Requests answered with an error, by NBD errno.
 # TYPE rbd_nbd_errors_total counter
-rbd_nbd_errors_total{cookie="vol-1",device="/dev/nbd0",errno="EIO",image="img",namespace="",pool="rbd"} 2
+rbd_nbd_errors_total{cookie="vol-1",device="/dev/nbd0",errno="EIO",image="img",namespace="",pool="rbd",pvc="",pvc_namespace=""} 2
 `
 	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "rbd_nbd_requests_total", "rbd_nbd_errors_total"); err != nil {
 		t.Fatal(err)
@@ -63,7 +63,7 @@ rbd_nbd_errors_total{cookie="vol-1",device="/dev/nbd0",errno="EIO",image="img",n
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, s := range []string{`le="5e-05"} 3`, `le="0.001"} 4`, `le="+Inf"} 4`, `_sum{cookie="vol-1",device="/dev/nbd0",image="img",namespace="",op="write",pool="rbd"} 0.002`} {
+	for _, s := range []string{`le="5e-05"} 3`, `le="0.001"} 4`, `le="+Inf"} 4`, `_sum{cookie="vol-1",device="/dev/nbd0",image="img",namespace="",op="write",pool="rbd",pvc="",pvc_namespace=""} 0.002`} {
 		if !strings.Contains(string(out), s) {
 			t.Errorf("no %s in\n%s", s, out)
 		}
