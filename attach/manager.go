@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/rbd-nbd-go/rbd-nbd-go/backend"
@@ -58,13 +59,24 @@ type device struct {
 	// is in Manager.devs, so either lock is enough to read it.
 	rec control.Record
 	s   *served // nil while detached
-	// stats counts the device's requests from its map (or this daemon's
-	// start) until its unmap, across socket replacements.
-	stats *nbd.Stats
+	// stats counts the device's requests, and events what happened to
+	// it, from its map (or this daemon's start) until its unmap, across
+	// socket replacements, detaches and attaches.
+	stats  *nbd.Stats
+	events *deviceEvents
+}
+
+// deviceEvents counts a device's connection changes and resizes.
+type deviceEvents struct {
+	// replaced: dead sockets replaced after the kernel's LINK_DEAD;
+	// reattached: new sockets after a detach, or after a restart.
+	replaced, reattached, resized atomic.Uint64
 }
 
 // newDevice is a device record with fresh counters.
-func newDevice(rec control.Record) *device { return &device{rec: rec, stats: nbd.NewStats()} }
+func newDevice(rec control.Record) *device {
+	return &device{rec: rec, stats: nbd.NewStats(), events: &deviceEvents{}}
+}
 
 // stopServing finishes the requests in flight, flushes and closes the
 // backend; the kernel side stays (d.mu held).
@@ -177,6 +189,7 @@ func (m *Manager) resized(d *device, size uint64) {
 		m.log.Error("resize of the kernel device failed", "device", d.rec.Device(), "size", size, "err", err)
 		return
 	}
+	d.events.resized.Add(1)
 	m.log.Info("resized", "device", d.rec.Device(), "size", size)
 }
 

@@ -188,6 +188,9 @@ func TestDetachAttachUnmap(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	if e, _ := kio(t, r.k.dev(t, rec.Index).socks[0], cmdFlush, 0, 0, nil); e != 0 {
+		t.Fatalf("flush before detach: %d", e)
+	}
 	if err := m.Detach(rec.Device()); err != nil {
 		t.Fatal(err)
 	}
@@ -199,6 +202,12 @@ func TestDetachAttachUnmap(t *testing.T) {
 	}
 	if e, _ := kio(t, r.k.dev(t, rec.Index).socks[0], cmdFlush, 0, 0, nil); e != 0 {
 		t.Fatalf("flush after attach: %d", e)
+	}
+	// The counters carry on across the detach: the flush before it is
+	// still counted, and the attach is one reattach.
+	st := stats(t, m, rec.Index)
+	if st.Reattached != 1 || st.Stats.Ops["flush"].Requests != 2 {
+		t.Fatalf("after detach and attach: %d reattaches, %d flushes", st.Reattached, st.Stats.Ops["flush"].Requests)
 	}
 	if err := m.Unmap(spec); err != nil {
 		t.Fatal(err)
@@ -219,6 +228,24 @@ func TestResizeReconfigures(t *testing.T) {
 	if r.k.dev(t, rec.Index).cfg.Size != 2<<20 {
 		t.Fatal("kernel size not changed")
 	}
+	if n := stats(t, m, rec.Index).Resized; n != 1 {
+		t.Fatalf("%d resizes counted", n)
+	}
+}
+
+// stats is one device's counters.
+func stats(t *testing.T, m *Manager, index int) control.DeviceStats {
+	t.Helper()
+	for _, s := range m.Stats() {
+		if s.Record.Index == index {
+			if s.Record.Ceph.Key != "" {
+				t.Fatal("stats carry a key")
+			}
+			return s
+		}
+	}
+	t.Fatalf("no stats of device %d", index)
+	return control.DeviceStats{}
 }
 
 func TestRestoreDropsMemoryDevices(t *testing.T) {
@@ -259,5 +286,13 @@ func TestReplaceDeadConnection(t *testing.T) {
 	}
 	if e, _ := kio(t, d.socks[0], cmdFlush, 0, 0, nil); e != 0 {
 		t.Fatalf("flush on the surviving connection: %d", e)
+	}
+	st := stats(t, m, rec.Index)
+	for i := 0; i < 100 && st.Stats.Closed == 0; i++ { // the dead one's server ends on its own
+		time.Sleep(10 * time.Millisecond)
+		st = stats(t, m, rec.Index)
+	}
+	if st.Replaced != 1 || st.Stats.Conns != 2 || st.Stats.Closed != 1 {
+		t.Fatalf("replaced %d, connections %d live, %d closed", st.Replaced, st.Stats.Conns, st.Stats.Closed)
 	}
 }

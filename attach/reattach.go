@@ -44,7 +44,9 @@ func (m *Manager) Attach(rec control.Record) (control.Record, error) {
 	if rec.Index < 0 {
 		return control.Record{}, errors.New("attach needs a device index")
 	}
+	var old *device // a detached device's counters carry on
 	if d := m.get(rec.Index); d != nil {
+		old = d
 		d.mu.Lock()
 		cur := d.rec
 		live := d.s != nil
@@ -72,6 +74,9 @@ func (m *Manager) Attach(rec control.Record) (control.Record, error) {
 		return control.Record{}, err
 	}
 	d := newDevice(rec)
+	if old != nil {
+		d.stats, d.events = old.stats, old.events
+	}
 	s, err := newServed(rec, m.backendOptions(d), d.stats, m.shared, m.log)
 	if err != nil {
 		return control.Record{}, err
@@ -89,6 +94,7 @@ func (m *Manager) Attach(rec control.Record) (control.Record, error) {
 	}
 	rec = d.rec
 	d.s = s
+	d.events.reattached.Add(1)
 	m.mu.Lock()
 	m.devs[rec.Index] = d
 	m.mu.Unlock()
@@ -186,6 +192,9 @@ func (m *Manager) ReplaceDead(index int) {
 		return
 	}
 	err := m.addSocket(index, kernel.Reconfig{BackendID: d.rec.Cookie}, d.s)
+	if err == nil {
+		d.events.replaced.Add(1)
+	}
 	m.log.Info("replaced a dead connection", "device", d.rec.Device(), "err", err)
 }
 

@@ -14,11 +14,12 @@ func (m *Manager) Stats() []control.DeviceStats {
 	type one struct {
 		rec control.Record
 		st  *nbd.Stats
+		ev  *deviceEvents
 	}
 	m.mu.Lock()
 	devs := make([]one, 0, len(m.devs))
 	for _, d := range m.devs {
-		devs = append(devs, one{d.rec.Public(), d.stats})
+		devs = append(devs, one{d.rec.Public(), d.stats, d.events})
 	}
 	m.mu.Unlock()
 	out := make([]control.DeviceStats, 0, len(devs))
@@ -26,6 +27,9 @@ func (m *Manager) Stats() []control.DeviceStats {
 		ds := control.DeviceStats{Record: d.rec}
 		if d.st != nil {
 			ds.Stats = d.st.Snapshot()
+		}
+		if d.ev != nil {
+			ds.Replaced, ds.Reattached, ds.Resized = d.ev.replaced.Load(), d.ev.reattached.Load(), d.ev.resized.Load()
 		}
 		out = append(out, ds)
 	}

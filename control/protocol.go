@@ -91,6 +91,12 @@ type Response struct {
 type DeviceStats struct {
 	Record Record       `json:"record"`
 	Stats  nbd.Snapshot `json:"stats"`
+	// Replaced counts dead sockets replaced after the kernel's
+	// LINK_DEAD, Reattached new sockets after a detach or a restart,
+	// Resized the image growing under the device.
+	Replaced   uint64 `json:"replaced"`
+	Reattached uint64 `json:"reattached"`
+	Resized    uint64 `json:"resized"`
 }
 
 // Status is how a device is doing, as the daemon sees it: what a CSI

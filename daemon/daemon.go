@@ -97,7 +97,8 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	}
 	defer ctl.Close()
 	sessions := &earlySessions{}
-	m, err := newManager(cfg, ctl, rbdio.NewClustersWith(sessions.hooks()), log)
+	clusters := rbdio.NewClustersWith(sessions.hooks())
+	m, err := newManager(cfg, ctl, clusters, log)
 	if err != nil {
 		return err
 	}
@@ -137,7 +138,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	}()
 	sched := startBackground(ctx, cfg, ctl, m, log)
 	if cfg.MetricsAddress != "" {
-		go metrics.ServeRetrying(ctx, cfg.MetricsAddress, metrics.NewRegistry(deviceMetrics(m)), log)
+		go metrics.ServeRetrying(ctx, cfg.MetricsAddress, metrics.NewRegistry(deviceMetrics(m), connMetrics(clusters)), log)
 	}
 	log.Info("serving NBD devices", "pid", os.Getpid(), "kernel", ctl.Name(), "state", cfg.StateDir,
 		"devices", len(m.List()))
@@ -329,7 +330,19 @@ func deviceMetrics(m *attach.Manager) metrics.Source {
 		for _, d := range m.Stats() {
 			md := metrics.ForSpec(d.Record.Device(), d.Record.Spec, d.Record.Cookie, d.Stats)
 			md.PVC, md.PVCNamespace = d.Record.PVC, d.Record.PVCNamespace
+			md.Replaced, md.Reattached, md.Resized = d.Replaced, d.Reattached, d.Resized
 			out = append(out, md)
+		}
+		return out
+	}
+}
+
+// connMetrics reads the cluster connections for a scrape.
+func connMetrics(c *rbdio.Clusters) metrics.ClusterSource {
+	return func() []metrics.Connection {
+		var out []metrics.Connection
+		for _, cn := range c.Connections() {
+			out = append(out, metrics.Connection{Cluster: cn.Cluster, User: cn.User, Images: cn.Images})
 		}
 		return out
 	}

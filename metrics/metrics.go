@@ -31,6 +31,9 @@ type Device struct {
 	// provisioner named it.
 	PVC, PVCNamespace string
 	Stats             nbd.Snapshot
+	// Replaced, Reattached and Resized count the device's dead sockets
+	// replaced (LINK_DEAD), reattaches and resizes.
+	Replaced, Reattached, Resized uint64
 }
 
 // Source lists the devices at a scrape.
@@ -44,6 +47,7 @@ type collector struct {
 	reqs, bytes, queued, inRBD *prometheus.Desc
 	errs, inflight, loans, spl *prometheus.Desc
 	conns, closed              *prometheus.Desc
+	replaced, reattached, grew *prometheus.Desc
 	devices                    *prometheus.Desc
 }
 
@@ -66,13 +70,17 @@ func NewCollector(src Source) prometheus.Collector {
 		conns:    d("connections", "Connections (kernel sockets) being served now."),
 		closed: d("connections_closed_total",
 			"Connections that ended: the kernel gave up on a socket, a reconfigure, a handover, a client leaving."),
-		devices: prometheus.NewDesc("rbd_nbd_devices", "Devices this process serves.", nil, nil),
+		replaced: d("link_dead_replacements_total",
+			"Dead sockets replaced after the kernel said LINK_DEAD (a request timed out on them)."),
+		reattached: d("reattaches_total", "Reattaches: new sockets after a detach, or after the daemon restarted."),
+		grew:       d("resizes_total", "Times the image grew under the device and the kernel was told."),
+		devices:    prometheus.NewDesc("rbd_nbd_devices", "Devices this process serves.", nil, nil),
 	}
 }
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{c.reqs, c.bytes, c.queued, c.inRBD, c.errs, c.inflight, c.loans, c.spl,
-		c.conns, c.closed, c.devices} {
+		c.conns, c.closed, c.replaced, c.reattached, c.grew, c.devices} {
 		ch <- d
 	}
 }
@@ -100,6 +108,9 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.spl, prometheus.CounterValue, float64(s.Spliced), l...)
 		ch <- prometheus.MustNewConstMetric(c.conns, prometheus.GaugeValue, float64(s.Conns), l...)
 		ch <- prometheus.MustNewConstMetric(c.closed, prometheus.CounterValue, float64(s.Closed), l...)
+		ch <- prometheus.MustNewConstMetric(c.replaced, prometheus.CounterValue, float64(d.Replaced), l...)
+		ch <- prometheus.MustNewConstMetric(c.reattached, prometheus.CounterValue, float64(d.Reattached), l...)
+		ch <- prometheus.MustNewConstMetric(c.grew, prometheus.CounterValue, float64(d.Resized), l...)
 	}
 }
 
@@ -114,13 +125,45 @@ func histogram(d *prometheus.Desc, h nbd.HistogramSnapshot, labels []string) pro
 	return prometheus.MustNewConstHistogram(d, h.Count(), h.Sum.Seconds(), buckets, labels...)
 }
 
-// NewRegistry holds the devices' collector and the Go runtime's and the
-// process's.
-func NewRegistry(src Source) *prometheus.Registry {
+// NewRegistry holds the devices' collector, the cluster connections'
+// (if clusters is not nil), and the Go runtime's and the process's.
+func NewRegistry(src Source, clusters ClusterSource) *prometheus.Registry {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(NewCollector(src), collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	if clusters != nil {
+		reg.MustRegister(clusterCollector{clusters, prometheus.NewDesc("rbd_nbd_cluster_images_open",
+			"Images open on each cluster connection the daemon holds (one per cluster and user).",
+			[]string{"cluster", "user"}, nil)})
+	}
 	return reg
+}
+
+// Connection is one cluster connection at a scrape: where (monitors or
+// ceph.conf), as whom, and the images open on it.
+type Connection struct {
+	Cluster, User string
+	Images        int
+}
+
+// ClusterSource lists the cluster connections at a scrape.
+type ClusterSource func() []Connection
+
+type clusterCollector struct {
+	src  ClusterSource
+	desc *prometheus.Desc
+}
+
+func (c clusterCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c clusterCollector) Collect(ch chan<- prometheus.Metric) {
+	seen := map[[2]string]int{}
+	for _, cn := range c.src() {
+		seen[[2]string{cn.Cluster, cn.User}] += cn.Images
+	}
+	for k, n := range seen {
+		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(n), k[0], k[1])
+	}
 }
 
 // Address checks addr, HOST:PORT or a bare PORT, and completes it.

@@ -102,3 +102,20 @@ func TestCSICalls(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestClusterImages: images open per cluster connection, one series per
+// cluster and user.
+func TestClusterImages(t *testing.T) {
+	reg := NewRegistry(func() []Device { return nil }, func() []Connection {
+		return []Connection{{Cluster: "10.0.0.1:6789", User: "csi", Images: 2}, {Cluster: "/etc/ceph/ceph.conf", User: "admin", Images: 1}}
+	})
+	want := `
+# HELP rbd_nbd_cluster_images_open Images open on each cluster connection the daemon holds (one per cluster and user).
+# TYPE rbd_nbd_cluster_images_open gauge
+rbd_nbd_cluster_images_open{cluster="/etc/ceph/ceph.conf",user="admin"} 1
+rbd_nbd_cluster_images_open{cluster="10.0.0.1:6789",user="csi"} 2
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "rbd_nbd_cluster_images_open"); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -43,6 +43,55 @@ type clusterRef struct {
 	conn  *rados.Conn
 	err   error
 	refs  int // callers holding conn, and (before ready) waiting for it
+	// images counts the images open on conn (Open to Close): a gauge of
+	// the node daemon's metrics.
+	images int
+}
+
+// Connection is one shared cluster connection, named without its secret.
+type Connection struct {
+	// Cluster is where it connects: the monitors given, else the
+	// ceph.conf it read.
+	Cluster, User string
+	Images        int
+}
+
+// Connections lists the open cluster connections and the images open
+// on each.
+func (c *Clusters) Connections() []Connection {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	out := make([]Connection, 0, len(c.conns))
+	for o, ref := range c.conns {
+		cl := o.MonHost
+		if cl == "" {
+			cl = o.Conf
+		}
+		user := o.ID
+		if user == "" {
+			user = "admin"
+		}
+		out = append(out, Connection{Cluster: cl, User: user, Images: ref.images})
+	}
+	return out
+}
+
+// imageOpened counts an image in or out of the connection o names.
+func (c *Clusters) imageOpened(o ceph.Options, delta int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if ref := c.conns[c.norm(o)]; ref != nil {
+		ref.images += delta
+	}
+}
+
+// norm is o as the connections are keyed: the conf from the environment
+// if o names none.
+func (c *Clusters) norm(o ceph.Options) ceph.Options {
+	if o.Conf == "" {
+		o.Conf = os.Getenv("CEPH_CONF")
+	}
+	return o
 }
 
 func NewClusters() *Clusters { return NewClustersWith(SessionHooks{}) }
@@ -54,9 +103,7 @@ func NewClustersWith(h SessionHooks) *Clusters {
 
 // get returns a connected handle for o and a release function.
 func (c *Clusters) get(o ceph.Options) (*rados.Conn, func(), error) {
-	if o.Conf == "" {
-		o.Conf = os.Getenv("CEPH_CONF")
-	}
+	o = c.norm(o)
 	c.mu.Lock()
 	ref, ok := c.conns[o]
 	if ok {

@@ -454,3 +454,36 @@ func TestDeferredOpenActivates(t *testing.T) {
 		t.Fatal("an exclusive open succeeded beside the activated image")
 	}
 }
+
+// TestConnectionsCountImages: the shared connection counts the images
+// open on it, names no secret, and is gone with the last image.
+func TestConnectionsCountImages(t *testing.T) {
+	a, b := newImage(t, "4M"), newImage(t, "4M")
+	c := NewClusters()
+	ia, err := Open(c, opts(), a, OpenOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ib, err := Open(c, opts(), b, OpenOptions{ReadOnly: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Open(c, opts(), ceph.ImageSpec{Pool: a.Pool, Image: "no-such-image"}, OpenOptions{}); err == nil {
+		t.Fatal("opened a missing image")
+	}
+	cs := c.Connections()
+	if len(cs) != 1 || cs[0].Images != 2 || cs[0].User == "" || cs[0].Cluster == "" {
+		t.Fatalf("connections %+v, want one with 2 images", cs)
+	}
+	if k := opts().Key; k != "" && (strings.Contains(cs[0].Cluster, k) || strings.Contains(cs[0].User, k)) {
+		t.Fatal("a connection is named by its key")
+	}
+	ia.Close()
+	if cs := c.Connections(); len(cs) != 1 || cs[0].Images != 1 {
+		t.Fatalf("after one close: %+v", cs)
+	}
+	ib.Close()
+	if cs := c.Connections(); len(cs) != 0 {
+		t.Fatalf("after the last close: %+v", cs)
+	}
+}

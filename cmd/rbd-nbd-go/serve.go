@@ -153,7 +153,7 @@ func runServe(ctx context.Context, log *slog.Logger, o serveOpts, spec string) e
 	if ml != nil {
 		reg := metrics.NewRegistry(func() []metrics.Device {
 			return []metrics.Device{metrics.ForSpec(where, spec, "", stats.Snapshot())}
-		})
+		}, nil)
 		go metrics.Serve(ctx, ml, reg, log)
 	}
 	log.Info("serving", "spec", spec, "export", o.name, "on", where,
