@@ -14,24 +14,25 @@ uri="nbd+unix:///?socket=$sock"
 
 started_cluster=""
 if [ -n "${CEPH_CONF:-}" ] && [ -f "$CEPH_CONF" ]; then
-  echo "== using the cluster in CEPH_CONF=$CEPH_CONF"
+  echo "== [1/5] using the cluster in CEPH_CONF=$CEPH_CONF"
 else
-  echo "== starting a local dev Ceph cluster in $state/ceph"
+  echo "== [1/5] starting a local dev Ceph cluster in $state/ceph (seconds)"
   CEPH_CONF=$("$here/ceph-dev-cluster" start "$state/ceph")
   export CEPH_CONF
   started_cluster=$state/ceph
 fi
 pid=""
+# Only the EXIT trap cleans up: Ctrl-C exits, which runs it once.
 cleanup() {
   [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null && wait "$pid" 2>/dev/null
   [ -n "$started_cluster" ] && "$here/ceph-dev-cluster" stop "$started_cluster" && echo "== dev cluster stopped"
   return 0
 }
-trap 'cleanup; exit 0' INT TERM
+trap 'exit 0' INT TERM
 trap cleanup EXIT
 
 rbd info "$image" >/dev/null 2>&1 || rbd create --size 1G "$image"
-echo "== serving $image on $sock"
+echo "== [2/5] serving $image on $sock"
 # A socket left by a killed run would pass the wait below before the new
 # server is up (serve itself replaces it): the directory is ours alone.
 rm -f "$sock"
@@ -41,9 +42,9 @@ for _ in $(seq 200); do [ -S "$sock" ] && break; kill -0 "$pid" 2>/dev/null || e
 [ -S "$sock" ] || { echo "server did not start" >&2; exit 1; }
 
 nbdinfo "$uri" | sed 's/^/   /'
-echo "== writing 4 MiB of pattern 0xa5 at 1 MiB through NBD (qemu-io), with a flush"
+echo "== [3/5] writing 4 MiB of pattern 0xa5 at 1 MiB through NBD (qemu-io), with a flush"
 qemu-io -f raw "$uri" -c 'write -P 0xa5 1M 4M' -c 'flush' | grep -E '^wrote' | sed 's/^/   /'
-echo "== reading it back from Ceph with rbd export and comparing"
+echo "== [4/5] reading it back from Ceph with rbd export and comparing"
 rbd export "$image" "$state/export.raw" >/dev/null 2>&1
 if cmp <(head -c 4M /dev/zero | tr '\0' '\245') <(dd if="$state/export.raw" bs=1M skip=1 count=4 status=none); then
   echo "   rbd export matches what was written through NBD"
@@ -53,6 +54,7 @@ else
 fi
 rm -f "$state/export.raw"
 cat <<MSG
+== [5/5] serving until Ctrl-C
 
 Serving $image over NBD (pid $pid), cluster: $CEPH_CONF
 Connect with, for example:

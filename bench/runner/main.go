@@ -112,6 +112,13 @@ func main() {
 		samples, *runtime, *rounds = saved.Samples, saved.Runtime, saved.Rounds
 		*rounds = 0 // nothing to run
 	}
+	// Progress: runs done of all, and the time left at the pace so far.
+	total, done, t0 := *rounds*len(jobs)*len(servers), 0, time.Now()
+	if total > 0 {
+		log.Printf("%s suite: %d jobs x %d servers x %d rounds = %d runs of %d s (about %s with set-up)",
+			*suiteName, len(jobs), len(servers), *rounds, total, *runtime,
+			(time.Duration(total*(*runtime+3)) * time.Second).Round(time.Minute))
+	}
 	for round := 1; round <= *rounds; round++ {
 		for _, job := range jobs {
 			// Rotate: over len(servers) rounds each server runs in
@@ -134,8 +141,10 @@ func main() {
 					log.Fatalf("%s on %s: %v", job, srv.Name, err)
 				}
 				s.Round = round
-				log.Printf("round %d %-22s %-14s %9.0f IOPS %8.1f MiB/s p99 %7.0f µs cpu %6.2f µs/IO",
-					round, job, srv.Name, s.IOPS, s.MiBps, s.P99us, s.CPUusPerIO)
+				done++
+				left := time.Since(t0) / time.Duration(done) * time.Duration(total-done)
+				log.Printf("[%d/%d, %s left] round %d %-22s %-14s %9.0f IOPS %8.1f MiB/s p99 %7.0f µs cpu %6.2f µs/IO",
+					done, total, left.Round(time.Second), round, job, srv.Name, s.IOPS, s.MiBps, s.P99us, s.CPUusPerIO)
 				samples = append(samples, s)
 			}
 		}

@@ -39,6 +39,11 @@ func newSuite(name, bin string) (*suite, error) {
 			baseline: "nbdkit-memory",
 			servers: []server{
 				{"rbd-nbd-go", func(s, sz string) []string { return []string{bin, "serve", "--socket", s, "mem:" + sz} }, nbdFio, true},
+				// The same with per-request counters on (a metrics
+				// endpoint nobody scrapes): what counting costs.
+				{"rbd-nbd-go-metrics", func(s, sz string) []string {
+					return []string{bin, "serve", "--metrics-address", "127.0.0.1:0", "--socket", s, "mem:" + sz}
+				}, nbdFio, true},
 				{"nbdkit-memory", func(s, sz string) []string { return []string{"nbdkit", "-f", "-U", s, "memory", sz} }, nbdFio, true},
 				{"nbdkit-null", func(s, sz string) []string { return []string{"nbdkit", "-f", "-U", s, "null", sz} }, nbdFio, true},
 			},
@@ -77,6 +82,9 @@ func rbdSuite(bin, altBin string) *suite {
 				return []string{"--ioengine=rbd", "--pool=rbd", "--rbdname=bench", "--clientname=admin"}
 			}, false},
 			{"rbd-nbd-go", func(s, _ string) []string { return []string{bin, "serve", "--socket", s, image} }, nbdFio, false},
+			{"rbd-nbd-go-metrics", func(s, _ string) []string {
+				return []string{bin, "serve", "--metrics-address", "127.0.0.1:0", "--socket", s, image}
+			}, nbdFio, false},
 			// Zero-copy read replies: safe with fio's libnbd client,
 			// which reads with recv; not the default for serve.
 			{"rbd-nbd-go-zc", func(s, _ string) []string {

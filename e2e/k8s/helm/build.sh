@@ -20,6 +20,21 @@ echo "helm/build.sh: building helm into $out" >&2
 # GOFLAGS from the main Makefile (-tags=pacific) mean nothing here; helm
 # builds without cgo.
 cd "$here"
-GOFLAGS=-trimpath CGO_ENABLED=0 go build -ldflags=-s -o "$out/bin/helm.tmp" helm.sh/helm/v3/cmd/helm >&2
+# The -X flags are those of helm's own Makefile: its version for `helm
+# version`, and the Kubernetes version of its client-go (v0.N -> 1.N) for
+# .Capabilities.KubeVersion and the lint's deprecation checks, which
+# otherwise assume Kubernetes 1.20.
+export GOFLAGS=
+v=$(go list -m -f '{{.Version}}' helm.sh/helm/v3)
+k=$(go list -m -f '{{.Version}}' k8s.io/client-go)
+k=${k#v0.}
+k=${k%%.*}
+GOFLAGS=-trimpath CGO_ENABLED=0 go build -o "$out/bin/helm.tmp" -ldflags="-s \
+	-X helm.sh/helm/v3/internal/version.version=$v \
+	-X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 \
+	-X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=$k \
+	-X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 \
+	-X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$k" \
+	helm.sh/helm/v3/cmd/helm >&2
 mv "$out/bin/helm.tmp" "$out/bin/helm"
 echo "$out/bin/helm"
