@@ -8,11 +8,9 @@ package metrics
 import (
 	"context"
 	"errors"
-	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
-	"strconv"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -20,6 +18,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/rbd-nbd-go/rbd-nbd-go/devspec"
+	"github.com/rbd-nbd-go/rbd-nbd-go/internal/loopback"
 	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
 )
 
@@ -169,31 +168,10 @@ func (c clusterCollector) Collect(ch chan<- prometheus.Metric) {
 // Address checks addr, HOST:PORT or a bare PORT, and completes it.
 // Without a host it is loopback: the endpoint names every image of the
 // node, and is reachable from other hosts only when asked for.
-func Address(addr string) (string, error) {
-	if _, err := strconv.Atoi(addr); err == nil {
-		addr = ":" + addr
-	}
-	host, port, err := net.SplitHostPort(addr)
-	if err != nil {
-		return "", fmt.Errorf("metrics address %q: want HOST:PORT or PORT", addr)
-	}
-	if _, err := strconv.ParseUint(port, 10, 16); err != nil {
-		return "", fmt.Errorf("metrics address %q: bad port", addr)
-	}
-	if host == "" {
-		host = "127.0.0.1"
-	}
-	return net.JoinHostPort(host, port), nil
-}
+func Address(addr string) (string, error) { return loopback.Address("metrics", addr) }
 
 // Listen listens on Address(addr).
-func Listen(addr string) (net.Listener, error) {
-	a, err := Address(addr)
-	if err != nil {
-		return nil, err
-	}
-	return net.Listen("tcp", a)
-}
+func Listen(addr string) (net.Listener, error) { return loopback.Listen("metrics", addr) }
 
 // Serve answers /metrics from reg on l until ctx ends.
 func Serve(ctx context.Context, l net.Listener, reg *prometheus.Registry, log *slog.Logger) error {

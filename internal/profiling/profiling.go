@@ -6,29 +6,17 @@ package profiling
 import (
 	"context"
 	"errors"
-	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
 	"net/http/pprof"
-	"strconv"
 	"time"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/internal/loopback"
 )
 
 // Listen opens addr: "PORT" or ":PORT" mean 127.0.0.1.
-func Listen(addr string) (net.Listener, error) {
-	if _, err := strconv.Atoi(addr); err == nil {
-		addr = ":" + addr
-	}
-	host, port, err := net.SplitHostPort(addr)
-	if err != nil {
-		return nil, fmt.Errorf("profiling address %q: want HOST:PORT or PORT", addr)
-	}
-	if host == "" {
-		host = "127.0.0.1"
-	}
-	return net.Listen("tcp", net.JoinHostPort(host, port))
-}
+func Listen(addr string) (net.Listener, error) { return loopback.Listen("profiling", addr) }
 
 // Serve answers /debug/pprof/ on l until ctx ends.
 func Serve(ctx context.Context, l net.Listener, log *slog.Logger) error {
