@@ -12,6 +12,9 @@ cd "$(dirname "$0")/../.."
 out=$1
 mkdir -p "$out"
 tools=$(e2e/k8s/build-tools.sh)
+# helm for the deploy scenario's chart check, built here: the VM finds it
+# in the cache, where a build under TCG would take many minutes.
+e2e/k8s/helm/build.sh >/dev/null
 b=deploy/image/build-local.sh
 ver() { awk -v m="$1" '$1 == m {print $2}' e2e/k8s/tools/go.mod; }
 $b driver bin/rbd-nbd-go localhost/rbd-nbd-go:dev "$out/rbd-nbd-go.tar"
