@@ -18,6 +18,7 @@ import (
 
 	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
 	"github.com/rbd-nbd-go/rbd-nbd-go/control"
+	"github.com/rbd-nbd-go/rbd-nbd-go/internal/progress"
 	"github.com/rbd-nbd-go/rbd-nbd-go/devspec"
 )
 
@@ -174,7 +175,11 @@ func deviceCall(g *globalOpts, o mapOpts, op string, rec control.Record) error {
 	if op == control.OpAttach {
 		call = c.Attach
 	}
+	// A map waits for the cluster (and, the first time, the daemon's
+	// start): a person sees that it is still going, a script nothing.
+	stop := progress.Waiting(os.Stderr, progress.StderrIsTerminal(), op+" "+rec.Spec+": waiting for the node daemon", 2*time.Second)
 	got, err := call(ctx, rec)
+	stop()
 	if err != nil {
 		g.logOutcome(op, rec.Spec, err)
 		return err
