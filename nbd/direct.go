@@ -124,6 +124,9 @@ func (r *Request) DirectReply() (port unsafe.Pointer, hdr []byte, ok bool) {
 func (r *Request) Sent() {
 	c := r.owner.(*conn)
 	r.err = nil
+	if c.stats != nil {
+		c.stats.done(r)
+	}
 	one := [1]*Request{r}
 	c.recycle(one[:])
 }

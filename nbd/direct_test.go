@@ -153,7 +153,8 @@ func TestDirectReplies(t *testing.T) {
 			// 16 KiB asked, 32 KiB given: 16 KiB reads too large to
 			// offer, 8 KiB ones just small enough.
 			s := NewServer(Config{SendBuffer: 16 << 10, MaxInflight: 64})
-			s.AddExport(Export{Backend: d})
+			st := NewStats()
+			s.AddExport(Export{Backend: d, Stats: st})
 			t.Cleanup(func() { s.Shutdown(context.Background()) })
 			var c *tclient
 			if tc.structured {
@@ -212,6 +213,11 @@ func TestDirectReplies(t *testing.T) {
 			}
 			if d.direct.Load() == 0 || d.fellBack.Load() == 0 {
 				t.Fatalf("direct %d, fell back %d: both paths must be exercised", d.direct.Load(), d.fellBack.Load())
+			}
+			// Every request counted, sent directly or not.
+			sn := st.Snapshot()
+			if n := sn.Ops["write"].Requests + sn.Ops["read"].Requests + sn.Ops["flush"].Requests; n != cookie {
+				t.Fatalf("%d requests counted of %d answered (%d sent directly)", n, cookie, d.direct.Load())
 			}
 			t.Logf("%d replies sent directly, %d offered ones fell back", d.direct.Load(), d.fellBack.Load())
 		})
