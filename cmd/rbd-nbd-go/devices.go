@@ -18,8 +18,8 @@ import (
 
 	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
 	"github.com/rbd-nbd-go/rbd-nbd-go/control"
-	"github.com/rbd-nbd-go/rbd-nbd-go/internal/progress"
 	"github.com/rbd-nbd-go/rbd-nbd-go/devspec"
+	"github.com/rbd-nbd-go/rbd-nbd-go/internal/progress"
 )
 
 // mapOpts are rbd-nbd's map/attach options, with its names, plus ours.
