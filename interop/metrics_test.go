@@ -61,6 +61,7 @@ func TestServeMetrics(t *testing.T) {
 		t.Errorf("devices %v, go_goroutines %v, process_cpu_seconds_total %v", m["rbd_nbd_devices"],
 			m["go_goroutines"], m["process_cpu_seconds_total"])
 	}
+	s.stop(t) // stderr is read only once the server has exited
 	if !strings.Contains(s.stderr.String(), "address=http://127.0.0.1:"+port+"/metrics") {
 		t.Errorf("a bare port did not listen on loopback: %s", s.stderr)
 	}
