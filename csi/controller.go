@@ -225,19 +225,6 @@ func (d *Driver) createVolume(o ceph.Options, name string, vol volume, p params,
 		ContentSource: content}, nil
 }
 
-// volumeMeta is the metadata a new volume's image gets.
-func volumeMeta(name, source, kind string, o owner) map[string]string {
-	m := o.meta()
-	m[metaName] = name
-	if source != "" {
-		m[metaSource] = source
-	}
-	if kind != "" {
-		m[metaKind] = kind
-	}
-	return m
-}
-
 // contentID is a content source's ID as metaSource records it: "" for
 // none, NotFound for an ID that is not ours.
 func contentID(c *csi.VolumeContentSource) (string, error) {
@@ -381,26 +368,6 @@ func (d *Driver) adopt(o ceph.Options, name string, vol volume, p params, accs [
 	}
 	d.log.Info("finished a volume an earlier call left half made", "name", name, "image", vol.Spec.String())
 	return info, nil
-}
-
-// volumeContext is what NodeStage needs of the StorageClass; it gets no
-// parameters of its own.
-func volumeContext(p params, vol volume) map[string]string {
-	c := map[string]string{"clusterID": p.ClusterID, "pool": vol.Spec.Pool, "imageName": vol.Spec.Image}
-	if vol.Spec.Namespace != "" {
-		c["radosNamespace"] = vol.Spec.Namespace
-	}
-	if p.MkfsOptions != "" {
-		c["mkfsOptions"] = p.MkfsOptions
-	}
-	if p.MapOptions != "" {
-		c["mapOptions"] = "nbd:" + p.MapOptions
-	}
-	if p.Owner.PVC != "" {
-		c["pvcName"], c["pvcNamespace"] = p.Owner.PVC, p.Owner.Namespace
-	}
-	p.Encryption.context(c)
-	return c
 }
 
 func needsExclusive(accs []access) bool {

@@ -28,36 +28,6 @@ type params struct {
 	Owner owner
 }
 
-// owner is a volume's PVC and PV, as the external-provisioner names them
-// with --extra-create-metadata. Stored in the image's metadata under the
-// same keys (ceph-csi's --setmetadata does the same), and passed to the
-// node so the daemon's metrics can say which PVC a device serves.
-type owner struct{ PVC, Namespace, PV string }
-
-// The provisioner's keys, as parameters and as image metadata.
-const (
-	keyPVCName      = "csi.storage.k8s.io/pvc/name"
-	keyPVCNamespace = "csi.storage.k8s.io/pvc/namespace"
-	keyPVName       = "csi.storage.k8s.io/pv/name"
-)
-
-// meta is o as image metadata.
-func (o owner) meta() map[string]string {
-	m := map[string]string{}
-	for k, v := range map[string]string{keyPVCName: o.PVC, keyPVCNamespace: o.Namespace, keyPVName: o.PV} {
-		if v != "" {
-			m[k] = v
-		}
-	}
-	return m
-}
-
-// defaultFeatures: exclusive-lock is what lets RWO volumes map with the
-// exclusive lock; object-map and fast-diff make used-bytes stats cheap.
-func defaultFeatures() []string {
-	return []string{"layering", "exclusive-lock", "object-map", "fast-diff", "deep-flatten"}
-}
-
 // Parameter keys the CO adds or ceph-csi's StorageClasses carry that are
 // not ours to act on but must not be refused.
 func ignoredParam(k string) bool {

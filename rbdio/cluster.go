@@ -76,6 +76,19 @@ func (c *Clusters) Connections() []Connection {
 	return out
 }
 
+// imageIOCtx is ioctx for an image being opened: the connection counts
+// it from here until the release (which runs once, whichever path
+// calls it).
+func (c *Clusters) imageIOCtx(o ceph.Options, spec ceph.ImageSpec) (*rados.IOContext, func(), error) {
+	ioctx, release, err := c.ioctx(o, spec)
+	if err != nil {
+		return nil, nil, err
+	}
+	c.imageOpened(o, 1)
+	var once sync.Once
+	return ioctx, func() { once.Do(func() { c.imageOpened(o, -1); release() }) }, nil
+}
+
 // imageOpened counts an image in or out of the connection o names.
 func (c *Clusters) imageOpened(o ceph.Options, delta int) {
 	c.mu.Lock()

@@ -108,15 +108,10 @@ type slot struct {
 
 // Open opens spec on the cluster described by o.
 func Open(clusters *Clusters, o ceph.Options, spec ceph.ImageSpec, oo OpenOptions) (*Image, error) {
-	ioctx, release, err := clusters.ioctx(o, spec)
+	ioctx, release, err := clusters.imageIOCtx(o, spec)
 	if err != nil {
 		return nil, err
 	}
-	// Counted from here to Close (release runs once, on either path).
-	clusters.imageOpened(o, 1)
-	var once sync.Once
-	counted := release
-	release = func() { once.Do(func() { clusters.imageOpened(o, -1); counted() }) }
 	im := &Image{spec: spec, readOnly: oo.ReadOnly || spec.Snap != "", onResize: oo.OnResize,
 		efd: -1, wfd: -1, release: release}
 	im.idle.L = &im.mu
