@@ -6,10 +6,12 @@
 # shared/notes/kubernetes.md.
 #
 # Networking without a network: the node's address is 192.0.2.1 (a
-# documentation prefix) on lo, pods use hostNetwork, and the
+# documentation prefix) on lo, our pods use hostNetwork, and the
 # `kubernetes` Service's ClusterIP 10.96.0.1 is put on lo too with the
 # apiserver on :443, so in-cluster clients (the CSI sidecars) reach the
-# API as on a real cluster, with no kube-proxy.
+# API as on a real cluster, with no kube-proxy. Pods off the host network
+# (Kubernetes' e2e suite makes only those) get a veth pair to the node
+# (the ptp CNI plugin, 10.244.0.0/24) and reach nothing beyond it.
 
 K=/run/k8s
 NODE=rbd-nbd-go-vm
@@ -47,8 +49,11 @@ EOF
 
 k8s_containerd() { # containerd with its root and state on tmpfs (an overlay upper layer cannot be on 9p)
 	mkdir -p $K/containerd /run/cni/net.d
-	cat >/run/cni/net.d/99-loopback.conflist <<'EOF'
-{"cniVersion": "1.0.0", "name": "lo", "plugins": [{"type": "loopback"}]}
+	# containerd adds the pod's lo itself; the sandbox must have an eth0
+	# (veth: scripts/vm/vm.sh loads it).
+	cat >/run/cni/net.d/10-pods.conflist <<'EOF'
+{"cniVersion": "1.0.0", "name": "pods", "plugins": [{"type": "ptp", "ipMasq": false,
+  "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.244.0.0/24"}]], "dataDir": "/run/cni/ipam"}}]}
 EOF
 	cat >$K/containerd/config.toml <<'EOF'
 version = 2
@@ -117,7 +122,7 @@ k8s_up() {
 	kube-apiserver --etcd-servers=http://127.0.0.1:2379 --bind-address=0.0.0.0 --secure-port=443 \
 		--advertise-address=$NODE_IP --service-cluster-ip-range=10.96.0.0/16 \
 		--tls-cert-file=$p/apiserver.crt --tls-private-key-file=$p/apiserver.key --client-ca-file=$p/ca.crt \
-		--kubelet-client-certificate=$p/admin.crt --kubelet-client-key=$p/admin.key \
+		--kubelet-client-certificate=$p/admin.crt --kubelet-client-key=$p/admin.key --kubelet-preferred-address-types=InternalIP \
 		--service-account-issuer=https://kubernetes.default.svc.cluster.local \
 		--service-account-key-file=$p/sa.pub --service-account-signing-key-file=$p/sa.key \
 		--authorization-mode=Node,RBAC --allow-privileged=true --profiling=false \

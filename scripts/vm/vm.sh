@@ -59,7 +59,8 @@ work=$(mktemp -d /tmp/rbd-nbd-go-vm.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/initrd/bin" "$work/initrd/mods" "$work/initrd/proc" "$work/initrd/sys" "$work/initrd/dev" "$work/out"
 
-# Modules for 9p, overlay, loop, ext4 and xfs, in dependency order, and
+# Modules for 9p, overlay, loop, ext4 and xfs, in dependency order, veth
+# (e2e-k8s's pods off the host network), and
 # dm-crypt with aes-xts (ceph-csi's encryption: cryptsetup on a mapped
 # device, for the migration test and the bench; aesni fails to load on a
 # CPU without AES-NI, and the generic AES serves). nbd is deliberately not
@@ -68,7 +69,7 @@ mods="virtio/virtio_ring virtio/virtio_pci_modern_dev virtio/virtio_pci_legacy_d
 virtio/virtio_pci char/hw_random/virtio-rng net/9p/9pnet net/9p/9pnet_virtio fs/netfs/netfs fs/fscache/fscache fs/9p/9p
 fs/overlayfs/overlay drivers/block/loop arch/x86/crypto/crc32c-intel crypto/crc32c_generic
 lib/libcrc32c fs/jbd2/jbd2 fs/mbcache lib/crc16 fs/ext4/ext4 fs/xfs/xfs
-md/dm-mod md/dm-crypt crypto/xts crypto/cryptd crypto/crypto_simd arch/x86/crypto/aesni-intel"
+md/dm-mod md/dm-crypt crypto/xts crypto/cryptd crypto/crypto_simd arch/x86/crypto/aesni-intel net/veth"
 : > "$work/initrd/modules"
 for m in $mods; do
 	f=$(ls "$moddir"/*/$m.ko "$moddir"/$m.ko 2>/dev/null | head -1 || true)
@@ -125,7 +126,13 @@ for m in netfilter/x_tables ipv4/netfilter/ip_tables ipv4/netfilter/iptable_filt
 	cp /newroot$(cat /kmods)/kernel/net/$m.ko $km/kernel/net/$m.ko 2>/dev/null
 done
 : > $km/modules.alias
-chroot /newroot /bin/sh -c 'ip link set lo up; hostname rbd-nbd-go-vm; . /vm-out/env; cd "$VM_CWD"; timeout -k 10 "$VM_TIMEOUT" /bin/sh /vm-out/cmd </dev/null >/dev/ttyS0 2>&1; echo $? > /vm-out/rc'
+# Moved onto / (as switch_root does), not only chrooted into: a process
+# that joins a mount namespace (runc exec, nsenter) lands on the mounts
+# stacked over the namespace's root, which a bare chroot would leave as
+# the initramfs (kubectl exec then finds no working directory). "." is
+# the overlay still: the working directory survives the move.
+cd /newroot && mount --move /newroot /
+chroot . /bin/sh -c 'ip link set lo up; hostname rbd-nbd-go-vm; . /vm-out/env; cd "$VM_CWD"; timeout -k 10 "$VM_TIMEOUT" /bin/sh /vm-out/cmd </dev/null >/dev/ttyS0 2>&1; echo $? > /vm-out/rc'
 poweroff -f
 INIT
 chmod +x "$work/initrd/init"
