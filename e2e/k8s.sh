@@ -4,7 +4,8 @@
 # the ConfigMap's monitors and the Secret's key are this cluster's), the
 # example StorageClasses, and app pods using busybox and fio.
 #
-#   e2e/k8s.sh IMAGES_DIR [a b c d e f g h i]     (default: all)
+#   e2e/k8s.sh IMAGES_DIR [a b c d e f g h i conformance conformance-all]
+#                                      (default: a to i)
 #
 # a  dynamic provisioning, ext4 and xfs: Pending -> Bound, write, new pod
 #    reads back, PVC deleted -> PV and image gone
@@ -26,8 +27,11 @@
 # i  QoS changed live: fio on a PVC of class i-slow (the example silver at
 #    50 write IOPS), the PVC moved to i-fast (gold at 120) while fio runs;
 #    each rate within 15 % of its limit, same device, no remap
+# conformance, conformance-all  Kubernetes' own storage tests (e2e.test's
+#    External.Storage specs): a fixed subset, or all (e2e/k8s/conformance.sh)
 . "$(dirname "$0")/lib.sh"
 . "$(dirname "$0")/k8s/cluster.sh"
+. "$(dirname "$0")/k8s/conformance.sh"
 
 images=$1; shift
 NS=rbd-nbd-go

@@ -10,10 +10,13 @@
 #   deploy/image/build-local.sh driver BINARY IMAGE_NAME OUT.tar
 #   deploy/image/build-local.sh static BINARY 'ENTRYPOINT [ARG...]' IMAGE_NAME OUT.tar
 #   deploy/image/build-local.sh tools 'TOOL...' IMAGE_NAME OUT.tar
+#   deploy/image/build-local.sh e2e [AGNHOST] IMAGE_NAME OUT.tar
 #
 # static makes a one-binary image (the CSI sidecars, built from the module
 # proxy, are static; a pause image); tools a test image of busybox plus
-# the named tools and their libraries.
+# the named tools and their libraries; e2e a stand-in for Kubernetes'
+# e2e test images (busybox's applets as alpine's, and a static agnhost
+# as the entrypoint when one is given).
 set -euo pipefail
 
 die() { echo "build-local: $*" >&2; exit 1; }
@@ -87,7 +90,20 @@ tools)
 	add_tools $2
 	entrypoint='["/usr/bin/sh"]'
 	;;
-*) die "usage: build-local.sh driver|static|tools ..." ;;
+e2e)
+	[ $# -eq 3 ] || [ $# -eq 4 ] || die "usage: build-local.sh e2e [AGNHOST] IMAGE_NAME OUT.tar"
+	name=${*: -2:1} out=${*: -1}
+	install -D -m 0755 /bin/busybox "$root/usr/bin/busybox"
+	for a in $(/bin/busybox --list); do [ -e "$root/usr/bin/$a" ] || ln -s busybox "$root/usr/bin/$a"; done
+	entrypoint='["/usr/bin/sh"]'
+	if [ $# -eq 4 ]; then
+		if ldd "$2" >/dev/null 2>&1; then die "$2 is not static"; fi
+		install -m 0755 "$2" "$root/agnhost"
+		mkdir -p "$root/uploads"
+		entrypoint='["/agnhost"]'
+	fi
+	;;
+*) die "usage: build-local.sh driver|static|tools|e2e ..." ;;
 esac
 printf 'root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n' >"$root/etc/passwd"
 printf 'root:x:0:\nnogroup:x:65534:\n' >"$root/etc/group"

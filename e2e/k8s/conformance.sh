@@ -1,0 +1,78 @@
+#!/bin/bash
+# Kubernetes' own storage tests against the deployed driver: the
+# External.Storage specs of e2e.test (k8s.io/kubernetes/test/e2e at the
+# version e2e/k8s/tools pins), driven by e2e/k8s/conformance/driver.yaml.
+# Sourced by e2e/k8s.sh, after its deploy step.
+#
+#   conformance      the fixed subset below (make test)
+#   conformance-all  every External.Storage spec but the skips (make
+#                    e2e-k8s-conformance)
+#
+# ginkgo's JSON and JUnit reports go to $E2E_OUT/conformance/NAME; the
+# Makefile turns the JSON into the dated table in bench/reference.
+
+# Skipped by label, each for a reason docs/conformance.md gives:
+# Disruptive specs restart the kubelet or the node, the VM's only one;
+# Windows specs (ntfs) need a Windows node; SELinux needs an enforcing
+# host. Everything else the driver does not claim, or that needs two
+# nodes, the suite skips itself, with its reason in the report.
+CONFORMANCE_SKIP='\[Disruptive\]|\[Feature:Windows\]|\[Feature:SELinux\]|\[Feature:SELinuxMountReadWriteOncePod'
+
+# The subset: one spec for each thing a user relies on most, on each
+# kind of volume (ext4 by default, xfs, raw block): data kept across
+# pods, restore from a snapshot, clone, online expansion, a single-pod
+# volume, a generic ephemeral volume, and a QoS class changed live.
+CONFORMANCE_SUBSET=(
+	'\[Testpattern: Dynamic PV \(default fs\)\] volumes should store data'
+	'\[Testpattern: Dynamic PV \(xfs\)\] \[Slow\] volumes should store data'
+	'\[Testpattern: Dynamic PV \(block volmode\)\] volumes should store data'
+	'\[Testpattern: Dynamic PV \(default fs\)\] provisioning should provision storage with snapshot data source \[Feature'
+	'\[Testpattern: Dynamic PV \(block volmode\)\] provisioning should provision storage with pvc data source$'
+	'\[Testpattern: Dynamic Snapshot \(delete policy\)\] snapshottable.*after modifying source data'
+	'\[Testpattern: Dynamic PV \(default fs\)\(allowExpansion\)\] volume-expand should resize volume when PVC is edited while pod is using it'
+	'\[Testpattern: Dynamic PV \(default fs\)\] read-write-once-pod should block a second pod'
+	'\[Testpattern: Generic Ephemeral-volume \(default fs\) \(immediate-binding\)\] ephemeral should create read/write inline ephemeral volume'
+	'\[Testpattern: Dynamic PV \(block volmode\)\] volume-modify.*should modify volume that already has a VAC'
+)
+
+# conformance_run NAME FOCUS PROCS TIMEOUT: ginkgo runs e2e.test's specs
+# matching FOCUS (within External.Storage for this driver), PROCS at once;
+# fails if any spec fails. Prints the counts ginkgo ends with.
+conformance_run() {
+	local name=$1 focus=$2 procs=$3 limit=$4 out rc
+	out=${E2E_OUT:-$work}/conformance/$name
+	rm -rf "$out" && mkdir -p "$out" /run/e2e-conformance
+	# The suite takes a VolumeAttributesClass file of exactly one object:
+	# the example's first (silver).
+	awk '/^---/ {exit} {print}' "$root/deploy/kubernetes/examples/volumeattributesclass.yaml" \
+		>/run/e2e-conformance/volumeattributesclass.yaml
+	# The suite reads some of the files it names from its working
+	# directory (ginkgo's: e2e.test's own), the rest under -repo-root:
+	# both work when the paths are absolute.
+	sed -E "s|^( *FromFile: )([^/])|\1$root/\2|" "$root/e2e/k8s/conformance/driver.yaml" >/run/e2e-conformance/driver.yaml
+	log "    ginkgo -p $procs, focus: $focus"
+	(cd "$root" && timeout -k 30 "$limit" ginkgo --procs="$procs" --no-color --timeout="$limit" --poll-progress-after=10m \
+		--focus="External.Storage \[Driver: $DRIVER\].*($focus)" --skip="$CONFORMANCE_SKIP" \
+		--json-report=report.json --junit-report=junit.xml --output-dir="$out" \
+		"$(command -v e2e.test)" -- \
+		-kubeconfig="$KUBECONFIG" -storage.testdriver=/run/e2e-conformance/driver.yaml -repo-root="$root" \
+		-node-os-distro=debian >"$out/ginkgo.log" 2>&1)
+	rc=$?
+	grep -E '^Ran [0-9]+ of|Passed \|' "$out/ginkgo.log" | tail -2 | while read -r l; do log "    $l"; done
+	if [ $rc -ne 0 ]; then
+		{
+			echo "ginkgo exit $rc;"
+			grep -E '^\s*\[(FAIL|TIMEDOUT|PANICKED|INTERRUPTED)\]' "$out/ginkgo.log" | sort -u | head -5
+		} >"$work/why"
+		return 1
+	fi
+}
+
+scenario_conformance() {
+	local focus
+	focus=$(IFS='|'; echo "${CONFORMANCE_SUBSET[*]}")
+	check "Kubernetes' storage tests, the subset: ${#CONFORMANCE_SUBSET[@]} specs pass" conformance_run subset "$focus" 3 40m
+}
+scenario_conformance-all() {
+	check "Kubernetes' storage tests, all of External.Storage but the skips, pass" conformance_run all '.*' 3 4h
+}
