@@ -35,16 +35,22 @@ type load struct {
 	logOffset int64  // where the log starts on a device
 
 	mu      sync.Mutex
-	acked   int             // records fsync'd and acknowledged
-	slowest map[int64]int64 // unix second -> slowest completion in it (ns), both loads
+	acked   int                  // records fsync'd and acknowledged
+	slowest map[int64]completion // unix second -> its slowest completion, both loads
 	passes  int
 	errs    []string
 	stop    chan struct{}
 	wg      sync.WaitGroup
 }
 
+// completion is one I/O's: when it completed, and how long it took.
+type completion struct {
+	at   time.Time
+	took time.Duration
+}
+
 func newLoad(name, path string, block bool, latDir string) *load {
-	l := &load{name: name, path: path, block: block, latDir: latDir, slowest: map[int64]int64{}, stop: make(chan struct{})}
+	l := &load{name: name, path: path, block: block, latDir: latDir, slowest: map[int64]completion{}, stop: make(chan struct{})}
 	l.logFile = filepath.Join(path, "log")
 	if block {
 		l.logFile, l.logOffset = path, 64<<20 // fio uses the first 16 MiB
@@ -72,8 +78,9 @@ func (l *load) fail(format string, args ...any) {
 
 func (l *load) note(at time.Time, took time.Duration) {
 	l.mu.Lock()
-	s := at.Unix()
-	l.slowest[s] = max(l.slowest[s], int64(took))
+	if s := at.Unix(); took > l.slowest[s].took {
+		l.slowest[s] = completion{at, took}
+	}
 	l.mu.Unlock()
 }
 
@@ -224,13 +231,41 @@ func (l *load) checkLog() error {
 func (l *load) slowestIn(from, to time.Time) (time.Duration, time.Time) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	var m, at int64
-	for s, ns := range l.slowest {
-		if s >= from.Unix() && s < to.Unix() && ns > m {
-			m, at = ns, s
+	return slowestIn(l.slowest, from, to)
+}
+
+// slowestIn is the slowest completion in [from, to), and when it
+// completed.
+func slowestIn(slowest map[int64]completion, from, to time.Time) (time.Duration, time.Time) {
+	var m completion
+	for s, c := range slowest {
+		if s >= from.Unix() && s < to.Unix() && c.took > m.took {
+			m = c
 		}
 	}
-	return time.Duration(m), time.Unix(at, 0)
+	return m.took, m.at
+}
+
+func (l *load) waitedAfter(from, to time.Time) time.Duration {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return waitedAfter(l.slowest, from, to)
+}
+
+// waitedAfter is the longest any I/O completing in [from, to) waited
+// after from: its time, less the part it had already waited when the
+// fault came. A write that began 10 s before a kill and completed 6 s
+// after it waited 6 s for the fault; its 16 s are the stall before.
+// (fio logs the slowest completion of each second, stamped at the
+// second's end: the wait is at most 1 s over.)
+func waitedAfter(slowest map[int64]completion, from, to time.Time) time.Duration {
+	var m time.Duration
+	for s, c := range slowest {
+		if s >= from.Unix() && s < to.Unix() {
+			m = max(m, min(c.took, c.at.Sub(from)))
+		}
+	}
+	return m
 }
 
 // dropCaches makes the next reads of every file and device come from the
@@ -248,6 +283,7 @@ type fault struct {
 	recovered time.Duration // until the thing faulted answered again
 	end       time.Time     // the next fault's start, or the soak's end
 	stall     time.Duration // the slowest completion in [start, end)
+	waited    time.Duration // the longest any I/O waited after start, of those
 	where     string        // which volume, and when it completed
 	detail    string
 }
@@ -264,15 +300,16 @@ func report(seed int64, took time.Duration, vols []string, faults []fault, loads
 		passes += l.passes
 	}
 	fmt.Fprintf(&b, "%d fio verify passes and %d fsync'd append records, every one read back.\n\n", passes, records)
-	b.WriteString("| # | at | fault | recovered in | longest I/O stall | where | |\n|---:|---:|---|---:|---:|---|---|\n")
+	b.WriteString("| # | at | fault | recovered in | longest I/O stall | waited after the fault | where | |\n|---:|---:|---|---:|---:|---:|---|---|\n")
 	for i, f := range faults {
-		fmt.Fprintf(&b, "| %d | %s | %s | %s | %s | %s | %s |\n", i+1, f.at.Round(time.Second), f.kind,
-			f.recovered.Round(100*time.Millisecond), f.stall.Round(100*time.Millisecond), f.where, f.detail)
+		fmt.Fprintf(&b, "| %d | %s | %s | %s | %s | %s | %s | %s |\n", i+1, f.at.Round(time.Second), f.kind,
+			f.recovered.Round(100*time.Millisecond), f.stall.Round(100*time.Millisecond), f.waited.Round(100*time.Millisecond), f.where, f.detail)
 	}
-	b.WriteString("\n| fault | times | worst stall | target |\n|---|---:|---:|---|\n")
-	kinds := map[string][]time.Duration{}
+	b.WriteString("\n| fault | times | worst stall | worst wait after the fault | target |\n|---|---:|---:|---:|---|\n")
+	kinds, waits := map[string][]time.Duration{}, map[string]time.Duration{}
 	for _, f := range faults {
 		kinds[f.kind] = append(kinds[f.kind], f.stall)
+		waits[f.kind] = max(waits[f.kind], f.waited)
 	}
 	names := make([]string, 0, len(kinds))
 	for k := range kinds {
@@ -284,8 +321,8 @@ func report(seed int64, took time.Duration, vols []string, faults []fault, loads
 		for _, d := range kinds[k] {
 			worst = max(worst, d)
 		}
-		fmt.Fprintf(&b, "| %s | %d | %s | %s |\n", k, len(kinds[k]), worst.Round(100*time.Millisecond), targets[k])
+		fmt.Fprintf(&b, "| %s | %d | %s | %s | %s |\n", k, len(kinds[k]), worst.Round(100*time.Millisecond), waits[k].Round(100*time.Millisecond), targets[k])
 	}
-	b.WriteString("\nThe stall is the slowest I/O completion (fio's per-second maximum, or one append+fsync) on any volume between the fault and the next one; where says which volume, and when it completed, from the fault's start.\n")
+	b.WriteString("\nThe stall is the slowest I/O completion (fio's per-second maximum, or one append+fsync) on any volume between the fault and the next one; where says which volume, and when it completed, from the fault's start. The wait after the fault counts only the part of each I/O after the fault began (to 1 s: fio logs each second's slowest): a request already slow before the fault is not charged to it in full.\n")
 	return b.String()
 }

@@ -119,6 +119,7 @@ func TestChaosSoak(t *testing.T) {
 				faults[i].stall = d
 				faults[i].where = fmt.Sprintf("%s, +%s", l.name, at.Sub(faults[i].start).Round(time.Second))
 			}
+			faults[i].waited = max(faults[i].waited, l.waitedAfter(faults[i].start, faults[i].end))
 		}
 	}
 	s.check()

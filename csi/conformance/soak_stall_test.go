@@ -1,0 +1,35 @@
+package conformance
+
+import (
+	"testing"
+	"time"
+)
+
+// TestWaitedAfter: a fault is charged only the part of each I/O after it
+// began, and only for I/O completing in its window.
+func TestWaitedAfter(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	at := func(s float64) time.Time { return t0.Add(time.Duration(s * float64(time.Second))) }
+	slowest := map[int64]completion{}
+	put := func(done, took float64) {
+		c := completion{at(done), time.Duration(took * float64(time.Second))}
+		if c.took > slowest[c.at.Unix()].took {
+			slowest[c.at.Unix()] = c
+		}
+	}
+	put(-1, 0.2)   // before the fault: not in its window
+	put(2, 0.1)    // quick, after it
+	put(6.3, 16.3) // began 10 s before the fault, done 6.3 s after it
+	put(9, 8.9)    // in flight when the fault came, done 9 s after
+	put(40, 30)    // the next fault's: out of this window
+	from, to := at(0), at(30)
+	if d, when := slowestIn(slowest, from, to); d != 16300*time.Millisecond || !when.Equal(at(6.3)) {
+		t.Errorf("slowest in the window: %s at %s, want 16.3s at +6.3s", d, when.Sub(t0))
+	}
+	if w := waitedAfter(slowest, from, to); w != 8900*time.Millisecond {
+		t.Errorf("waited after the fault: %s, want 8.9s (the request in flight; the early one only 6.3s)", w)
+	}
+	if w := waitedAfter(slowest, at(31), at(35)); w != 0 {
+		t.Errorf("an empty window waited %s", w)
+	}
+}
