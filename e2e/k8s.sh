@@ -257,8 +257,7 @@ spec:
       volumeMounts: [{name: v, mountPath: /data}]
   volumes: [{name: v, persistentVolumeClaim: {claimName: e-src}}]
 EOF
-	# Its log says when it has written (the kubelet's file: kubectl logs
-	# goes through the node's name, which nothing here resolves).
+	# Its log says when it has written (the kubelet's file).
 	check "a pod writes 16 MiB and stays, the volume mounted" \
 		eval "k8s_wait 300 'e-w written' eval 'grep -qs written /var/log/pods/default_e-w_*/app/*.log' || { echo 'no \"written\" in its log' >$work/why; false; }"
 	t0=$(date +%s)

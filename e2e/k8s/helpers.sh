@@ -10,8 +10,8 @@ jp() { # jp KIND [NAMESPACE/]NAME JSONPATH
 }
 on_scenario_fail() { # the controller pod's containers (driver and sidecars) and recent events
 	local f
-	# From the files the kubelet writes: kubectl logs goes through the
-	# node's name, which nothing here resolves.
+	# From the files the kubelet writes: no apiserver round trip, and
+	# still there when the apiserver is what failed.
 	for f in /var/log/pods/${NS}_rbd-nbd-go-controller-*/*/*.log; do
 		[ -f "$f" ] && { echo "== $f"; tail -30 "$f"; }
 	done

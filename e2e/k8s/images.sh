@@ -30,12 +30,12 @@ $b tools fio localhost/e2e-app:dev "$out/e2e-app.tar"
 # Kubernetes' e2e suite (make e2e-k8s-conformance): its test images under
 # their upstream names and tags (test/utils/image/manifest.go at the
 # pinned version), so no pod pulls. agnhost is built from that source;
-# busybox is Debian's, and stands in for nginx too, which the suite's
-# storage tests run only for its shell.
+# busybox is Debian's, and stands in for nginx and glibc-dns-testing too,
+# which the suite's storage tests run only for a shell and its tools.
 k8s_ver=$(ver k8s.io/kubernetes)
 manifest=$(cd e2e/k8s/tools && GOFLAGS= /usr/local/go/bin/go list -m -f '{{.Dir}}' k8s.io/kubernetes)/test/utils/image/manifest.go
-tag() { sed -n "s/.*configs\[$1\] = Config{list.PromoterE2eRegistry, \"\([a-z]*\)\", \"\([^\"]*\)\"}.*/\1:\2/p" "$manifest"; }
-for img in BusyBox:busybox Nginx:busybox Agnhost:agnhost; do
+tag() { sed -n "s/.*configs\[$1\] = Config{list.PromoterE2eRegistry, \"\([a-z-]*\)\", \"\([^\"]*\)\"}.*/\1:\2/p" "$manifest"; }
+for img in BusyBox:busybox Nginx:busybox GlibcDnsTesting:busybox Agnhost:agnhost; do
 	t=$(tag "${img%%:*}")
 	[ -n "$t" ] || { echo "images: no ${img%%:*} in $manifest ($k8s_ver)" >&2; exit 1; }
 	if [ "${img#*:}" = agnhost ]; then

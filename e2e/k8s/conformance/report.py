@@ -70,11 +70,21 @@ def main():
             # One line per reason: the names and numbers in a message vary.
             reason = re.sub(r'"[^"]*"|\d+', "…", first_line(msg, 160))
             skips[reason] += 1
+    # What failed outside a spec (a BeforeSuite, a timeout of the whole
+    # run): then the specs it kept from running look left out, too.
+    broken = [f"{s.get('LeafNodeType')} {s.get('LeafNodeText', '')}".strip() + ": " +
+              first_line((s.get("Failure") or {}).get("Message", ""), 300)
+              for r in report for s in r.get("SpecReports") or []
+              if s.get("LeafNodeType") != "It" and s.get("State") not in ("passed", "skipped", "pending")]
+    reasons = [x for r in report for x in r.get("SpecialSuiteFailureReasons") or []]
+    ok = all(r.get("SuiteSucceeded") for r in report)
     start = min((r.get("StartTime", "") for r in report), default="")
     end = max((r.get("EndTime", "") for r in report), default="")
     out = [f"# {title}", ""]
     out.append(f"- started {start}, ended {end}; specs' own time {runtime / 60:.1f} min")
     out.append(f"- {DRIVER}: " + ", ".join(f"{totals[c]} {c}" for c in cols))
+    out.append("- the suite " + ("succeeded" if ok else "failed") +
+               "".join(f"; {r}" for r in reasons) + "".join(f"; {b}" for b in broken))
     out.append("- passed and failed specs ran; skipped ones the suite skipped itself, with the reason below;"
                " left out ones the run's --skip labels or focus excluded (docs/conformance.md says why)")
     out += ["", "## By test pattern", "", "| pattern | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
