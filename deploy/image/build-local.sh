@@ -10,13 +10,14 @@
 #   deploy/image/build-local.sh driver BINARY IMAGE_NAME OUT.tar
 #   deploy/image/build-local.sh static BINARY 'ENTRYPOINT [ARG...]' IMAGE_NAME OUT.tar
 #   deploy/image/build-local.sh tools 'TOOL...' IMAGE_NAME OUT.tar
-#   deploy/image/build-local.sh e2e [AGNHOST] IMAGE_NAME OUT.tar
+#   [E2E_GNU='TOOL...'] deploy/image/build-local.sh e2e [AGNHOST] IMAGE_NAME OUT.tar
 #
 # static makes a one-binary image (the CSI sidecars, built from the module
 # proxy, are static; a pause image); tools a test image of busybox plus
 # the named tools and their libraries; e2e a stand-in for Kubernetes'
 # e2e test images (busybox's applets as alpine's, and a static agnhost
-# as the entrypoint when one is given).
+# as the entrypoint when one is given; E2E_GNU names tools of this
+# machine that replace busybox's, for an image built on Debian).
 set -euo pipefail
 
 die() { echo "build-local: $*" >&2; exit 1; }
@@ -95,6 +96,9 @@ e2e)
 	name=${*: -2:1} out=${*: -1}
 	install -D -m 0755 /bin/busybox "$root/usr/bin/busybox"
 	for a in $(/bin/busybox --list); do [ -e "$root/usr/bin/$a" ] || ln -s busybox "$root/usr/bin/$a"; done
+	for t in ${E2E_GNU:-}; do rm -f "$root/usr/bin/$t"; done
+	# shellcheck disable=SC2086
+	[ -z "${E2E_GNU:-}" ] || add_tools $E2E_GNU
 	entrypoint='["/usr/bin/sh"]'
 	if [ $# -eq 4 ]; then
 		if ldd "$2" >/dev/null 2>&1; then die "$2 is not static"; fi

@@ -31,7 +31,9 @@ $b tools fio localhost/e2e-app:dev "$out/e2e-app.tar"
 # their upstream names and tags (test/utils/image/manifest.go at the
 # pinned version), so no pod pulls. agnhost is built from that source;
 # busybox is Debian's, and stands in for nginx and glibc-dns-testing too,
-# which the suite's storage tests run only for a shell and its tools.
+# which the suite's storage tests run only for a shell and its tools;
+# glibc-dns-testing is Debian-based, and multiVolume's checks use GNU
+# dd's oflag=nocache, so it gets this machine's dd.
 k8s_ver=$(ver k8s.io/kubernetes)
 manifest=$(cd e2e/k8s/tools && GOFLAGS= /usr/local/go/bin/go list -m -f '{{.Dir}}' k8s.io/kubernetes)/test/utils/image/manifest.go
 tag() { sed -n "s/.*configs\[$1\] = Config{list.PromoterE2eRegistry, \"\([a-z-]*\)\", \"\([^\"]*\)\"}.*/\1:\2/p" "$manifest"; }
@@ -40,6 +42,8 @@ for img in BusyBox:busybox Nginx:busybox GlibcDnsTesting:busybox Agnhost:agnhost
 	[ -n "$t" ] || { echo "images: no ${img%%:*} in $manifest ($k8s_ver)" >&2; exit 1; }
 	if [ "${img#*:}" = agnhost ]; then
 		$b e2e "$tools/bin/agnhost" "registry.k8s.io/e2e-test-images/$t" "$out/e2e-${t%%:*}.tar"
+	elif [ "${img%%:*}" = GlibcDnsTesting ]; then
+		E2E_GNU=dd $b e2e "registry.k8s.io/e2e-test-images/$t" "$out/e2e-${t%%:*}.tar"
 	else
 		$b e2e "registry.k8s.io/e2e-test-images/$t" "$out/e2e-${t%%:*}.tar"
 	fi
