@@ -33,14 +33,29 @@ func serve(ctx context.Context, l net.Listener, m *attach.Manager, log *slog.Log
 	}
 	stop := context.AfterFunc(ctx, func() { l.Close() })
 	defer stop()
+	var delay time.Duration
 	for {
 		c, err := l.Accept()
 		if err != nil {
 			if ctx.Err() != nil {
 				return nil
 			}
-			return err
+			if errors.Is(err, net.ErrClosed) {
+				return err
+			}
+			// Out of descriptors or memory for a moment: no device's
+			// I/O goes through here, and stopping would drop every
+			// device's sockets. Wait and accept again, as net/http does.
+			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+			log.Warn("control socket: accept failed, trying again", "err", err, "in", delay)
+			select {
+			case <-ctx.Done():
+				return nil
+			case <-time.After(delay):
+			}
+			continue
 		}
+		delay = 0
 		go func() {
 			defer c.Close()
 			var req control.Request
