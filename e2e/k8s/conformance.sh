@@ -6,7 +6,8 @@
 #
 #   conformance      the fixed subset below (make test)
 #   conformance-all  every External.Storage spec but the skips (make
-#                    e2e-k8s-conformance)
+#                    e2e-k8s-conformance), or those E2E_CONFORMANCE_FOCUS
+#                    matches
 #
 # ginkgo's JSON and JUnit reports go to $E2E_OUT/conformance/NAME; the
 # Makefile turns the JSON into the dated table in bench/reference.
@@ -93,7 +94,11 @@ scenario_conformance() {
 	check "nothing left behind: no image, trash entry or mapped device" left_behind 300
 }
 scenario_conformance-all() {
-	check "Kubernetes' storage tests, all of External.Storage but the skips, pass" conformance_run all '.*' 3 14400
+	# E2E_CONFORMANCE_FOCUS narrows it, to run some specs again (report
+	# in conformance/focus).
+	local focus=${E2E_CONFORMANCE_FOCUS:-.*} name=all
+	[ "$focus" = '.*' ] || name=focus
+	check "Kubernetes' storage tests, all of External.Storage but the skips, pass" conformance_run "$name" "$focus" 3 14400
 	# The retain-policy specs leave their snapshots in Ceph by design,
 	# so this run only says what is left.
 	k8s_wait 300 "the suite's volumes gone from the pool" pool_clean ||
