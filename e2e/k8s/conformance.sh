@@ -96,9 +96,12 @@ scenario_conformance() {
 scenario_conformance-all() {
 	# E2E_CONFORMANCE_FOCUS narrows it, to run some specs again (report
 	# in conformance/focus).
+	# E2E_CONFORMANCE_SECONDS bounds the run (4 h unless set): ginkgo
+	# stops there and reports what ran.
 	local focus=${E2E_CONFORMANCE_FOCUS:-.*} name=all
 	[ "$focus" = '.*' ] || name=focus
-	check "Kubernetes' storage tests, all of External.Storage but the skips, pass" conformance_run "$name" "$focus" 3 14400
+	check "Kubernetes' storage tests, all of External.Storage but the skips, pass" \
+		conformance_run "$name" "$focus" 3 "${E2E_CONFORMANCE_SECONDS:-14400}"
 	# The retain-policy specs leave their snapshots in Ceph by design,
 	# so this run only says what is left.
 	k8s_wait 300 "the suite's volumes gone from the pool" pool_clean ||
