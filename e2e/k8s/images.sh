@@ -33,7 +33,8 @@ $b tools fio localhost/e2e-app:dev "$out/e2e-app.tar"
 # busybox is Debian's, and stands in for nginx and glibc-dns-testing too,
 # which the suite's storage tests run only for a shell and its tools;
 # glibc-dns-testing is Debian-based, and multiVolume's checks use GNU
-# dd's oflag=nocache, so it gets this machine's dd.
+# dd's oflag=nocache, so it gets this machine's dd, and dash as sh:
+# busybox's sh runs its own applets before PATH's.
 k8s_ver=$(ver k8s.io/kubernetes)
 manifest=$(cd e2e/k8s/tools && GOFLAGS= /usr/local/go/bin/go list -m -f '{{.Dir}}' k8s.io/kubernetes)/test/utils/image/manifest.go
 tag() { sed -n "s/.*configs\[$1\] = Config{list.PromoterE2eRegistry, \"\([a-z-]*\)\", \"\([^\"]*\)\"}.*/\1:\2/p" "$manifest"; }
@@ -43,7 +44,7 @@ for img in BusyBox:busybox Nginx:busybox GlibcDnsTesting:busybox Agnhost:agnhost
 	if [ "${img#*:}" = agnhost ]; then
 		$b e2e "$tools/bin/agnhost" "registry.k8s.io/e2e-test-images/$t" "$out/e2e-${t%%:*}.tar"
 	elif [ "${img%%:*}" = GlibcDnsTesting ]; then
-		E2E_GNU=dd $b e2e "registry.k8s.io/e2e-test-images/$t" "$out/e2e-${t%%:*}.tar"
+		E2E_GNU="sh dd" $b e2e "registry.k8s.io/e2e-test-images/$t" "$out/e2e-${t%%:*}.tar"
 	else
 		$b e2e "registry.k8s.io/e2e-test-images/$t" "$out/e2e-${t%%:*}.tar"
 	fi
