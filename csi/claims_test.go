@@ -18,10 +18,6 @@ import (
 // CSIDriver object decide are checked both ways against them, and the
 // rest (features this driver does not implement) must be false.
 func TestConformanceClaims(t *testing.T) {
-	raw, err := os.ReadFile("../e2e/k8s/conformance/driver.yaml")
-	if err != nil {
-		t.Fatal(err)
-	}
 	var def struct {
 		DriverInfo struct {
 			Name            string
@@ -29,9 +25,7 @@ func TestConformanceClaims(t *testing.T) {
 			Capabilities    map[string]bool
 		}
 	}
-	if err := yaml.Unmarshal(raw, &def); err != nil {
-		t.Fatal(err)
-	}
+	readYAML(t, "../e2e/k8s/conformance/driver.yaml", &def)
 	if def.DriverInfo.Name != DefaultDriverName {
 		t.Errorf("driver.yaml names %q, the driver is %q", def.DriverInfo.Name, DefaultDriverName)
 	}
@@ -46,10 +40,6 @@ func TestConformanceClaims(t *testing.T) {
 		}
 	}
 
-	rawDriver, err := os.ReadFile("../deploy/kubernetes/csidriver.yaml")
-	if err != nil {
-		t.Fatal(err)
-	}
 	var csiDriver struct {
 		Spec struct {
 			FSGroupPolicy   string
@@ -57,9 +47,7 @@ func TestConformanceClaims(t *testing.T) {
 			SELinuxMount    bool
 		}
 	}
-	if err := yaml.Unmarshal(rawDriver, &csiDriver); err != nil {
-		t.Fatal(err)
-	}
+	readYAML(t, "../deploy/kubernetes/csidriver.yaml", &csiDriver)
 
 	r := newRig(t)
 	ctx := context.Background()
@@ -124,5 +112,16 @@ func TestConformanceClaims(t *testing.T) {
 		if !checked[name] {
 			t.Errorf("driver.yaml states %s, which the suite has no capability of that name for", name)
 		}
+	}
+}
+
+func readYAML(t *testing.T, path string, v any) {
+	t.Helper()
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := yaml.Unmarshal(raw, v); err != nil {
+		t.Fatalf("%s: %v", path, err)
 	}
 }
