@@ -65,10 +65,12 @@ struct nbdgo_slot {
 	struct nbdgo_img *img;
 	uintptr_t tag;
 	struct nbdgo_bl *bl; // a lent read's data (lend.cc), set before it starts
-	// A direct reply: port non-NULL while one is offered, then hdr, and
-	// data (a READ's payload, pinned by Go) to send on success.
-	struct nbdgo_port *port;
-	const void *data;
+	// A direct reply: port (a struct nbdgo_port *) non-zero while one is
+	// offered, then hdr, and data (a READ's payload) to send on success.
+	// Both are pinned Go pointers, held as integers so that Go code can
+	// never store them: see nbdgo_offer.
+	uintptr_t port;
+	uintptr_t data;
 	uint32_t dlen;
 	uint32_t hlen;
 	unsigned char hdr[32];
@@ -103,7 +105,7 @@ static struct nbdgo_slot *nbdgo_slot_new(struct nbdgo_img *im, uintptr_t tag) {
 // nbdgo_send_reply sends slot s's reply if the port is free and the
 // socket takes it whole at once; 1 if it did. It never blocks.
 static int nbdgo_send_reply(struct nbdgo_slot *s) {
-	struct nbdgo_port *p = s->port;
+	struct nbdgo_port *p = (struct nbdgo_port *)s->port;
 	uint32_t free_ = 0;
 	if (!__atomic_compare_exchange_n(&p->lock, &free_, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
 		return 0;
@@ -136,7 +138,9 @@ static void nbdgo_cb(rbd_completion_t c, void *arg) {
 	struct nbdgo_img *im = s->img;
 	int64_t ret = rbd_aio_get_return_value(c);
 	rbd_aio_release(c);
-	int sent = s->port != NULL && ret >= 0 && nbdgo_send_reply(s);
+	int sent = s->port != 0 && ret >= 0 && nbdgo_send_reply(s);
+	// No Go pointer is kept past its use (see nbdgo_offer).
+	s->port = s->data = 0;
 	pthread_mutex_lock(&im->mu);
 	if (im->n == im->cap) {
 		int cap = im->cap ? 2 * im->cap : 256;
@@ -167,9 +171,38 @@ static void nbdgo_cb(rbd_completion_t c, void *arg) {
 	}
 }
 
-// nbdgo_aio starts one operation whose completion reports slot s.
+// nbdgo_offer lets slot s's callback send the request's success reply
+// (port non-NULL): hdr, copied, then data. port and data are Go
+// pointers, pinned by Go until the slot is reaped. They are stored here,
+// in C, as integers, never by Go code: a Go store into a pointer field
+// of C memory runs the collector's write barrier, which takes the
+// field's old value for a Go pointer, and a slot's old value is the
+// previous request's, whose port or buffer may have been freed since.
+// That crashed the daemon ("found bad pointer in Go heap") right after
+// unmaps, when collections run and freed spans get reused.
+static void nbdgo_offer(struct nbdgo_slot *s, struct nbdgo_port *port,
+                        const char *hdr, uint32_t hlen, const char *data, uint32_t dlen) {
+	s->port = (uintptr_t)port;
+	s->data = 0;
+	s->dlen = 0;
+	s->hlen = 0;
+	if (port == NULL)
+		return;
+	if (hlen > sizeof s->hdr)
+		hlen = sizeof s->hdr;
+	memcpy(s->hdr, hdr, hlen);
+	s->hlen = hlen;
+	s->data = (uintptr_t)data;
+	s->dlen = dlen;
+}
+
+// nbdgo_aio starts one operation whose completion reports slot s, with
+// the reply offered as nbdgo_offer says.
 static int nbdgo_aio(rbd_image_t img, int op, uint64_t off, uint64_t len,
-                     char *buf, int zero_flags, struct nbdgo_slot *s) {
+                     char *buf, int zero_flags, struct nbdgo_slot *s,
+                     struct nbdgo_port *port, const char *hdr, uint32_t hlen,
+                     const char *data, uint32_t dlen) {
+	nbdgo_offer(s, port, hdr, hlen, data, dlen);
 	rbd_completion_t c;
 	int r = rbd_aio_create_completion(s, nbdgo_cb, &c);
 	if (r < 0)
@@ -195,6 +228,7 @@ static int nbdgo_aio(rbd_image_t img, int op, uint64_t off, uint64_t len,
 // bufferlist before the read starts, so the reaper always finds it.
 static int nbdgo_aio_read_lend(void *view, uint64_t off, uint64_t len, struct nbdgo_slot *s) {
 	rbd_completion_t c;
+	nbdgo_offer(s, NULL, NULL, 0, NULL, 0);
 	if ((s->bl = nbdgo_bl_new()) == NULL)
 		return -ENOMEM;
 	int r = rbd_aio_create_completion(s, nbdgo_cb, &c);
@@ -374,15 +408,33 @@ const (
 	zeroThick = C.RBD_WRITE_ZEROES_FLAG_THICK_PROVISION
 )
 
-// aio starts op; buf must stay valid (pinned) until the completion is
-// reaped. The returned error means the op never started.
-func (i cImage) aio(op int, off, length uint64, buf []byte, zeroFlags int, s cSlot) error {
+// offer is a direct reply the completion callback may send (see
+// nbd.Request.DirectReply): hdr, then data (pinned by the caller until
+// the slot is reaped), through port. A nil port: no offer.
+type offer struct {
+	port      unsafe.Pointer
+	hdr, data []byte
+}
+
+// aio starts op with o offered; buf must stay valid (pinned) until the
+// completion is reaped. The returned error means the op never started.
+func (i cImage) aio(op int, off, length uint64, buf []byte, zeroFlags int, s cSlot, o offer) error {
 	var p *C.char
 	if len(buf) > 0 {
 		p = (*C.char)(unsafe.Pointer(&buf[0]))
 	}
+	// Typed, not unsafe.Pointer: cgo would then check the whole object
+	// hdr lies in (the nbd.Request, which holds pointers).
+	var hdr, data *C.char
+	if o.port != nil && len(o.hdr) > 0 {
+		hdr = (*C.char)(unsafe.Pointer(&o.hdr[0]))
+	}
+	if o.port != nil && len(o.data) > 0 {
+		data = (*C.char)(unsafe.Pointer(&o.data[0]))
+	}
 	return errnoOf(C.nbdgo_aio(i.p, C.int(op), C.uint64_t(off), C.uint64_t(length), p,
-		C.int(zeroFlags), s))
+		C.int(zeroFlags), s, (*C.struct_nbdgo_port)(o.port), hdr, C.uint32_t(len(o.hdr)),
+		data, C.uint32_t(len(o.data))))
 }
 
 // aioReadLend starts a read of length bytes at off into slot s's
@@ -394,22 +446,6 @@ func (i cImage) aioReadLend(off, length uint64, s cSlot) error {
 // sentBit marks, in a drained tag, a completion whose reply the
 // callback sent itself.
 const sentBit = uintptr(1) << 40
-
-// offerDirect lets slot s's callback send the request's success reply:
-// hdr, then data (pinned by the caller until the slot is reaped)
-// through port (see nbd.Request.DirectReply). Empty port: no offer.
-func offerDirect(s cSlot, port unsafe.Pointer, hdr, data []byte) {
-	if port == nil {
-		s.port = nil
-		return
-	}
-	s.port = (*C.struct_nbdgo_port)(port)
-	s.hlen = C.uint32_t(copy(unsafe.Slice((*byte)(unsafe.Pointer(&s.hdr[0])), len(s.hdr)), hdr))
-	s.data, s.dlen = nil, 0
-	if len(data) > 0 {
-		s.data, s.dlen = unsafe.Pointer(&data[0]), C.uint32_t(len(data))
-	}
-}
 
 // queued is how many completions wait to be drained, read without the
 // queue's lock: a hint, exact only under it.

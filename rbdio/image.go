@@ -9,7 +9,6 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -275,12 +274,12 @@ func (im *Image) Submit(r *nbd.Request) {
 		return
 	}
 	lend := r.Op == nbd.OpRead && r.Length >= lendMin && im.img.view != nil && r.CanLend()
-	tag, cs := im.take(r, !lend)
+	tag, cs, o := im.take(r, !lend)
 	var err error
 	if lend {
 		err = im.img.aioReadLend(r.Offset, uint64(r.Length), cs)
 	} else if op, zf, ok := aioOp(r); ok {
-		err = im.img.aio(op, r.Offset, uint64(r.Length), r.Data, zf, cs)
+		err = im.img.aio(op, r.Offset, uint64(r.Length), r.Data, zf, cs, o)
 	} else {
 		err = syscall.EINVAL
 	}
@@ -313,7 +312,7 @@ func aioOp(r *nbd.Request) (op, zeroFlags int, ok bool) {
 // read's data never passes through r.Data). Slot fields change only under
 // im.mu: the reaper reads them after a hand-over through librbd that Go
 // cannot see.
-func (im *Image) take(r *nbd.Request, pin bool) (uint32, cSlot) {
+func (im *Image) take(r *nbd.Request, pin bool) (uint32, cSlot, offer) {
 	im.mu.Lock()
 	defer im.mu.Unlock()
 	if len(im.free) == 0 {
@@ -332,16 +331,14 @@ func (im *Image) take(r *nbd.Request, pin bool) (uint32, cSlot) {
 	}
 	// A direct reply only when librbd's completion finishes the request:
 	// not a FUA write (its flush follows), not a lent read.
-	var port unsafe.Pointer
-	var hdr, data []byte
+	var o offer
 	if pin && !s.fua {
 		var ok bool
-		if port, hdr, ok = r.DirectReply(); ok && r.Op == nbd.OpRead {
-			data = r.Data
+		if o.port, o.hdr, ok = r.DirectReply(); ok && r.Op == nbd.OpRead {
+			o.data = r.Data
 		}
 	}
-	offerDirect(s.c, port, hdr, data)
-	return tag, s.c
+	return tag, s.c, o
 }
 
 // reap waits for librbd's signal and finishes completions in batches.
@@ -445,7 +442,7 @@ func (im *Image) finish(tag uint32, ret int64, sent bool, batch *nbd.Batch) {
 	if ret >= 0 && s.fua {
 		s.fua = false
 		im.mu.Unlock()
-		err := im.img.aio(aioFlush, 0, 0, nil, 0, s.c)
+		err := im.img.aio(aioFlush, 0, 0, nil, 0, s.c, offer{})
 		if err == nil {
 			return
 		}
