@@ -288,9 +288,21 @@ type fault struct {
 	detail    string
 }
 
+// baseline is the slowest completion in a window with no fault under
+// way: what the loads wait anyway on this machine (TCG's emulated
+// CPUs, one OSD), below which no fault's stall can be measured.
+type baseline struct {
+	from, to time.Time
+	slowest  time.Duration
+}
+
+// baselineSkip leaves out the loads' first seconds (fio laying out its
+// files, the first appends) from the baseline.
+const baselineSkip = 5 * time.Second
+
 // report renders the soak's fault table and the worst stall per kind, in
 // markdown, for bench/reference.
-func report(seed int64, took time.Duration, vols []string, faults []fault, loads []*load, targets map[string]string) string {
+func report(seed int64, took time.Duration, vols []string, faults []fault, loads []*load, targets map[string]string, base baseline) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "# Chaos soak, %s\n\n", time.Now().UTC().Format("2006-01-02 15:04 UTC"))
 	fmt.Fprintf(&b, "Seed %d, %s of faults, %d volumes (%s).\n", seed, took.Round(time.Second), len(vols), strings.Join(vols, ", "))
@@ -299,7 +311,12 @@ func report(seed int64, took time.Duration, vols []string, faults []fault, loads
 		records += l.acked
 		passes += l.passes
 	}
-	fmt.Fprintf(&b, "%d fio verify passes and %d fsync'd append records, every one read back.\n\n", passes, records)
+	fmt.Fprintf(&b, "%d fio verify passes and %d fsync'd append records, every one read back.\n", passes, records)
+	if w := base.to.Sub(base.from); w > 0 {
+		fmt.Fprintf(&b, "With no fault under way (%s before the first one), the slowest I/O completion was %s: the floor under every stall below.\n",
+			w.Round(time.Second), base.slowest.Round(100*time.Millisecond))
+	}
+	b.WriteString("\n")
 	b.WriteString("| # | at | fault | recovered in | longest I/O stall | waited after the fault | where | |\n|---:|---:|---|---:|---:|---:|---|---|\n")
 	for i, f := range faults {
 		fmt.Fprintf(&b, "| %d | %s | %s | %s | %s | %s | %s | %s |\n", i+1, f.at.Round(time.Second), f.kind,

@@ -1,6 +1,7 @@
 package conformance
 
 import (
+	"strings"
 	"testing"
 	"time"
 )
@@ -31,5 +32,20 @@ func TestWaitedAfter(t *testing.T) {
 	}
 	if w := waitedAfter(slowest, at(31), at(35)); w != 0 {
 		t.Errorf("an empty window waited %s", w)
+	}
+}
+
+// TestReportBaseline: the report states the fault-free floor when the
+// soak had a window for it, and nothing when it had none.
+func TestReportBaseline(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	f := []fault{{kind: fDaemonKill, start: t0.Add(40 * time.Second), at: 40 * time.Second}}
+	got := report(1, time.Minute, []string{"v"}, f, nil, soakTargets,
+		baseline{from: t0.Add(5 * time.Second), to: t0.Add(40 * time.Second), slowest: 1260 * time.Millisecond})
+	if want := "With no fault under way (35s before the first one), the slowest I/O completion was 1.3s"; !strings.Contains(got, want) {
+		t.Errorf("report lacks %q:\n%s", want, got)
+	}
+	if got := report(1, time.Minute, []string{"v"}, nil, nil, soakTargets, baseline{}); strings.Contains(got, "no fault under way") {
+		t.Errorf("a report with no baseline window states one:\n%s", got)
 	}
 }

@@ -122,9 +122,19 @@ func TestChaosSoak(t *testing.T) {
 			faults[i].waited = max(faults[i].waited, l.waitedAfter(faults[i].start, faults[i].end))
 		}
 	}
+	// The floor every stall stands on: the slowest completion with no
+	// fault under way, from the loads' first seconds to the first fault.
+	var base baseline
+	if len(faults) > 0 {
+		base.from, base.to = t0.Add(baselineSkip), faults[0].start
+		for _, l := range s.loads {
+			d, _ := l.slowestIn(base.from, base.to)
+			base.slowest = max(base.slowest, d)
+		}
+	}
 	s.check()
 	s.keepLogs()
-	rep := report(seed, end.Sub(t0), s.names, faults, s.loads, soakTargets)
+	rep := report(seed, end.Sub(t0), s.names, faults, s.loads, soakTargets, base)
 	t.Logf("soak report:\n%s", rep)
 	if out := os.Getenv("RBD_NBD_GO_SOAK_REPORT"); out != "" {
 		os.WriteFile(out, []byte(rep), 0o644)
