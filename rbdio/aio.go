@@ -460,6 +460,9 @@ func (i cImage) addWaiters(n int32) {
 }
 
 // takeBL hands over the bufferlist of slot s's finished read, if any.
+// The one pointer Go stores into a slot: its old and new values are C
+// memory, which the write barrier passes over (see nbdgo_offer for why
+// a Go pointer there would not be safe).
 func takeBL(s cSlot) *C.struct_nbdgo_bl {
 	bl := s.bl
 	s.bl = nil
