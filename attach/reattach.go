@@ -191,11 +191,16 @@ func (m *Manager) ReplaceDead(index int) {
 	if d.s == nil {
 		return
 	}
+	settled, drained := d.s.settleDead(settleMax, settleGrace)
+	if !drained {
+		m.log.Warn("the kernel left replies unread on a dead connection; replacing it anyway",
+			"device", d.rec.Device(), "waited", settled.Round(time.Millisecond))
+	}
 	err := m.addSocket(index, kernel.Reconfig{BackendID: d.rec.Cookie}, d.s)
 	if err == nil {
 		d.events.replaced.Add(1)
 	}
-	m.log.Info("replaced a dead connection", "device", d.rec.Device(), "err", err)
+	m.log.Info("replaced a dead connection", "device", d.rec.Device(), "settled", settled.Round(time.Millisecond), "err", err)
 }
 
 // Restore takes back every device in the store that the kernel still

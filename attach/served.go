@@ -28,6 +28,7 @@ type served struct {
 	// (and must not block) each time the last of them ends.
 	live atomic.Int32
 	idle func()
+	ends liveEnds // our socket ends, for settleDead
 }
 
 // flags are the transmission flags the kernel is told through netlink:
@@ -113,11 +114,10 @@ func newServed(rec control.Record, opts backend.Options, stats *nbd.Stats, share
 // all, served or closed). Callers hold the device's lock, as stop's do.
 func (s *served) serve(ours []*os.File, log *slog.Logger) error {
 	var ncs []net.Conn
-	for i, f := range ours {
+	for _, f := range ours {
 		nc, err := net.FileConn(f)
-		f.Close()
 		if err != nil {
-			closeAll(ours[i+1:])
+			closeAll(ours)
 			for _, c := range ncs {
 				c.Close()
 			}
@@ -125,7 +125,11 @@ func (s *served) serve(ours []*os.File, log *slog.Logger) error {
 		}
 		ncs = append(ncs, nc)
 	}
-	for _, nc := range ncs {
+	for i, nc := range ncs {
+		// ours[i] stays open beside the server's copy while the
+		// connection is served, for settleDead to look into.
+		end := ours[i]
+		s.ends.add(end)
 		s.conns.Add(1)
 		s.live.Add(1)
 		go func() {
@@ -133,6 +137,7 @@ func (s *served) serve(ours []*os.File, log *slog.Logger) error {
 			if err := s.srv.ServeNegotiated(nc, ""); err != nil && !errors.Is(err, nbd.ErrServerClosed) {
 				log.Warn("kernel connection ended", "err", err)
 			}
+			s.ends.drop(end)
 			if s.live.Add(-1) == 0 && s.idle != nil {
 				s.idle()
 			}
@@ -150,5 +155,6 @@ func (s *served) stop(timeout time.Duration) error {
 	// Past the timeout Shutdown aborts the connections without waiting
 	// for them; none may still be submitting when the backend closes.
 	s.conns.Wait()
+	s.ends.closeUnserved()
 	return errors.Join(err, nbd.Flush(s.opened.Backend), s.opened.Close())
 }
