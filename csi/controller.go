@@ -155,16 +155,20 @@ func (d *Driver) createVolume(o ceph.Options, name string, vol volume, p params,
 		return nil, err
 	}
 	info, err := d.cfg.Images.ImageInfo(o, vol.Spec)
-	switch {
-	case err == nil:
+	if err == nil {
 		// A retry: answered from the image, even if its source has
 		// gone since (a lost reply must not turn into NotFound).
-		size, err := d.existingVolume(o, name, vol, p, accs, cr, content, wantSrc, info, secrets)
-		if err != nil {
-			return nil, err
+		size, xerr := d.existingVolume(o, name, vol, p, accs, cr, content, wantSrc, info, secrets)
+		if !errors.Is(xerr, errRedo) {
+			if xerr != nil {
+				return nil, xerr
+			}
+			return &csi.Volume{VolumeId: vol.ID(), CapacityBytes: int64(size), VolumeContext: volumeContext(p, vol),
+				ContentSource: content}, nil
 		}
-		return &csi.Volume{VolumeId: vol.ID(), CapacityBytes: int64(size), VolumeContext: volumeContext(p, vol),
-			ContentSource: content}, nil
+		err = ceph.ErrImageNotFound // removed: made below
+	}
+	switch {
 	case errors.Is(err, ceph.ErrPoolNotFound):
 		return nil, status.Errorf(codes.InvalidArgument, "parameter %q: %v", "pool", err)
 	case !errors.Is(err, ceph.ErrImageNotFound):
@@ -316,7 +320,7 @@ func (d *Driver) adopt(o ceph.Options, name string, vol volume, p params, accs [
 	foreign := status.Errorf(codes.AlreadyExists, "image %s exists and is not volume %q's", vol.Spec, name)
 	var srcKey map[string]string // a clone's copy of its source's key
 	var src *volSource
-	if (wantSrc == "") != (info.Parent == nil) {
+	if wantSrc == "" && info.Parent != nil {
 		return info, foreign
 	}
 	if wantSrc != "" {
@@ -324,8 +328,8 @@ func (d *Driver) adopt(o ceph.Options, name string, vol volume, p params, accs [
 		if src, err = d.resolveSource(o, vol.ClusterID, content, volumeKind(accs)); err != nil {
 			return info, err
 		}
-		if info.Parent.ImageID != src.ref.ID || info.Parent.Pool != src.ref.Pool {
-			return info, foreign
+		if info.Parent == nil || info.Parent.ImageID != src.ref.ID || info.Parent.Pool != src.ref.Pool {
+			return info, d.dropUnfinishedClone(o, name, vol, info, foreign)
 		}
 		size, err := volumeSize(cr, src.size)
 		if err != nil {
@@ -359,6 +363,9 @@ func (d *Driver) adopt(o ceph.Options, name string, vol volume, p params, accs [
 	}
 	if err := d.cfg.Images.UpdateMetadata(o, vol.Spec, meta, rm); err != nil {
 		return info, cephStatus(err, "finish "+describe(vol))
+	}
+	if src != nil {
+		d.cloneFinished(d.journal(o, vol.Spec.Pool, vol.Spec.Namespace), name)
 	}
 	if info.Meta == nil {
 		info.Meta = map[string]string{}

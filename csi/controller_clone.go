@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
@@ -183,6 +184,14 @@ func (d *Driver) cloneVolume(o ceph.Options, name string, vol volume, p params, 
 	}
 	meta := volumeMeta(name, src.id(), kind, p.Owner)
 	maps.Copy(meta, srcKey)
+	j := d.journal(o, vol.Spec.Pool, vol.Spec.Namespace)
+	if err := j.update(map[string]any{cloneKey(name): cloneRecord{Image: vol.Spec.Image, Parent: parent.String(),
+		Since: time.Now().UTC()}}); err != nil {
+		if src.volume != nil {
+			d.dropCloneSnapshot(o, src.volume.ID(), name)
+		}
+		return cephStatus(err, "journal the clone "+describe(vol))
+	}
 	err = d.cfg.Images.CloneImage(o, parent, vol.Spec, ceph.NewImage{Size: imageBytes(size, p.Encryption.On),
 		Features: features, DataPool: p.DataPool, Meta: meta})
 	if src.volume != nil {
@@ -202,6 +211,7 @@ func (d *Driver) cloneVolume(o ceph.Options, name string, vol volume, p params, 
 			return cephStatus(err, "finish "+describe(vol))
 		}
 	}
+	d.cloneFinished(j, name)
 	d.log.Info("created volume", "name", name, "image", vol.Spec.String(), "size", size, "from", src.id(),
 		"depth", len(chain)+1, "encrypted with the key of", srcKey[metaKeyOf])
 	if step != cloneThenFlatten && step != flattenCloneFirst {
@@ -306,4 +316,44 @@ func notInherited(meta, parent map[string]string) []string {
 		}
 	}
 	return rm
+}
+
+// cloneFinished drops name's clone journal entry: its image is a volume
+// now. An entry left by a failed removal only lets a later call remove
+// an unfinished image at name, which would be ours anyway.
+func (d *Driver) cloneFinished(j journal, name string) {
+	if err := j.update(nil, cloneKey(name)); err != nil {
+		d.log.Warn("drop a finished clone's journal entry", "name", name, "err", err)
+	}
+}
+
+// errRedo: an unfinished image at a volume's name was removed; the call
+// makes the volume afresh.
+var errRedo = errors.New("unfinished image removed: make the volume again")
+
+// dropUnfinishedClone removes an image at name's volume that is not the
+// clone this call would make (no parent, or another one), if the clone
+// journal says a clone of name's was under way: librbd creates a clone's
+// image before it attaches the parent, so a controller killed in
+// between, or a clone whose own clean-up timed out, leaves one with
+// none. It never held data: a volume is handed out only once finished.
+// Without the entry, the image is someone else's (foreign).
+func (d *Driver) dropUnfinishedClone(o ceph.Options, name string, vol volume, info ceph.ImageInfo, foreign error) error {
+	var rec cloneRecord
+	ok, err := d.journal(o, vol.Spec.Pool, vol.Spec.Namespace).get(cloneKey(name), &rec)
+	if err != nil {
+		return cephStatus(err, "read the clone journal of pool "+vol.Spec.Pool)
+	}
+	if !ok || rec.Image != vol.Spec.Image || info.Meta[metaName] == name {
+		return foreign
+	}
+	if info.Watchers > 0 {
+		return status.Errorf(codes.Aborted, "image %s, an unfinished clone of volume %q, is open elsewhere", vol.Spec, name)
+	}
+	if err := d.cfg.Images.RemoveImage(o, vol.Spec); err != nil {
+		return cephStatus(err, "remove the unfinished clone "+describe(vol))
+	}
+	d.log.Warn("removed an unfinished clone an earlier call left; making it again", "name", name,
+		"image", vol.Spec.String(), "parent", rec.Parent, "since", rec.Since)
+	return errRedo
 }

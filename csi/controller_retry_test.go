@@ -99,6 +99,59 @@ func TestHalfMadeCloneIsFinished(t *testing.T) {
 	wantCode(t, "a foreign image at the name", err, codes.AlreadyExists, "is not volume")
 }
 
+// A clone whose image librbd made but never gave its parent (the
+// controller killed in between, or librbd's own clean-up of a failed
+// clone timed out) is removed and made again, since the clone journal
+// says it was ours; the same image without that entry stays someone
+// else's. The entry is gone once the clone is finished.
+func TestUnfinishedCloneIsMadeAgain(t *testing.T) {
+	r := newRig(t)
+	src := r.create(t, "src", 64<<20, nil)
+	child := ceph.ImageSpec{Pool: "rbd", Image: imageName("clone")}
+	husk := func() {
+		t.Helper()
+		if err := r.images.CreateImage(fakeOpts, child, ceph.NewImage{Size: 64 << 20, Features: defaultFeatures()}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	j := r.d.journal(fakeOpts, "rbd", "")
+	husk()
+	_, err := r.restore("clone", volSourceOf(src.VolumeId), 0)
+	wantCode(t, "an image with no parent and no clone journal entry", err, codes.AlreadyExists, "is not volume")
+
+	if err := j.update(map[string]any{cloneKey("clone"): cloneRecord{Image: child.Image, Parent: "rbd/src@x"}}); err != nil {
+		t.Fatal(err)
+	}
+	v, err := r.restore("clone", volSourceOf(src.VolumeId), 0)
+	if err != nil {
+		t.Fatalf("the retry of a clone left without its parent: %v", err)
+	}
+	info, _ := r.images.ImageInfo(fakeOpts, child)
+	if info.Parent == nil || info.Meta[metaName] != "clone" || v.VolumeId == "" {
+		t.Fatalf("the clone made again: parent %v, metadata %v", info.Parent, info.Meta)
+	}
+	if ok, err := j.get(cloneKey("clone"), nil); ok || err != nil {
+		t.Fatalf("the clone journal entry outlived the finished clone (%v)", err)
+	}
+	if again, err := r.restore("clone", volSourceOf(src.VolumeId), 0); err != nil || again.VolumeId != v.VolumeId {
+		t.Fatalf("a retry after the clone was finished: %v %v", again, err)
+	}
+
+	// Open somewhere (a clone still under way elsewhere): not removed.
+	husk2 := ceph.ImageSpec{Pool: "rbd", Image: imageName("busy")}
+	if err := r.images.CreateImage(fakeOpts, husk2, ceph.NewImage{Size: 64 << 20}); err != nil {
+		t.Fatal(err)
+	}
+	r.images.mu.Lock()
+	i := r.images.images[husk2.String()]
+	i.Watchers = 1
+	r.images.images[husk2.String()] = i
+	r.images.mu.Unlock()
+	j.update(map[string]any{cloneKey("busy"): cloneRecord{Image: husk2.Image}})
+	_, err = r.restore("busy", volSourceOf(src.VolumeId), 0)
+	wantCode(t, "an unfinished clone open elsewhere", err, codes.Aborted, "open elsewhere")
+}
+
 // A clone's temporary snapshot left on its source by a failed clone
 // does not keep the source's image once it is deleted.
 func TestOrphanedSnapshotsDoNotKeepImages(t *testing.T) {

@@ -22,8 +22,16 @@ import (
 //     controller finishes it.
 //   - gone/IMAGEID: a deleted volume's image kept, renamed, for the
 //     snapshots and clones that still need it; removed with the last.
+//   - clone/NAME: a clone (or restore) being made at NAME's image, from
+//     just before librbd starts it until it is finished. librbd creates
+//     the image before it attaches the parent, so a controller killed,
+//     or a clone whose clean-up timed out, can leave an image with no
+//     parent: this entry is what says it is ours to remove and redo.
+//     (One whose PVC was deleted before a retry finished it stays: a
+//     few bytes, and the image with no parent, which an admin removes.)
 //
-// Volumes need no entry: their image name derives from the CSI name.
+// Volumes need no other entry: their image name derives from the CSI
+// name.
 const journalObject = "rbd-nbd-go.csi"
 
 const (
@@ -31,6 +39,7 @@ const (
 	jSnapshotID = "snapshot-id/"
 	jFlatten    = "flatten/"
 	jGone       = "gone/"
+	jClone      = "clone/"
 )
 
 // snapRecord is a VolumeSnapshot as the journal keeps it.
@@ -64,6 +73,14 @@ type goneRecord struct {
 	Since  time.Time `json:"since"`
 }
 
+// cloneRecord is a clone being made.
+type cloneRecord struct {
+	Image  string    `json:"image"`  // the clone's image
+	Parent string    `json:"parent"` // what it is cloned from
+	Since  time.Time `json:"since"`
+}
+
+func cloneKey(name string) string         { return jClone + name }
 func snapKey(name string) string          { return jSnapshot + name }
 func snapIDKey(s snapshotID) string       { return fmt.Sprintf("%s%s/%d", jSnapshotID, s.Image.ID, s.SnapID) }
 func flattenKey(ref ceph.ImageRef) string { return jFlatten + ref.ID }
