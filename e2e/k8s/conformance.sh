@@ -62,10 +62,15 @@ conformance_run() {
 		-kubeconfig="$KUBECONFIG" -storage.testdriver=/run/e2e-conformance/driver.yaml -repo-root="$root" \
 		-node-os-distro=debian >"$out/ginkgo.log" 2>&1)
 	rc=$?
-	# The node's side, for explaining a failure: the daemon's log and the
-	# kernel's (nbd's own messages).
+	# For explaining a failure: the daemon's log and the kernel's (nbd's
+	# own messages), and every container log of the driver's pods, the
+	# ones before each restart included (the kubelet's N.log files).
 	cp /run/rbd-nbd-go/daemon.log "$out/" 2>/dev/null
 	dmesg >"$out/dmesg.txt" 2>/dev/null
+	local f
+	for f in /var/log/pods/${NS}_rbd-nbd-go-*/*/*.log; do
+		[ -f "$f" ] && cp "$f" "$out/pod-$(basename "$(dirname "$(dirname "$f")")" | cut -d_ -f2)-$(basename "$(dirname "$f")")-$(basename "$f")"
+	done
 	grep -E '^Ran [0-9]+ of|Passed \|' "$out/ginkgo.log" | tail -2 | while read -r l; do log "    $l"; done
 	if [ $rc -ne 0 ]; then
 		{
