@@ -23,7 +23,8 @@ import (
 // reply's bytes could go to another request. So ReplaceDead first waits
 // until each dead socket holds nothing unread (SIOCOUTQ on our end: our
 // bytes the peer has not consumed), then a moment for the worker's last
-// read.
+// read. Not covered: a reattach after a restart, whose predecessor's
+// ends are closed with its process, so there is nothing left to ask.
 
 // Bounds of settleDead: how long the kernel may take to read what is
 // queued on a dead socket (past it, a worker that stopped reading has

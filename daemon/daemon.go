@@ -306,8 +306,15 @@ func takeBack(cfg Config, m *attach.Manager, tk *taken, log *slog.Logger) (net.L
 // giving memory back a few seconds after devices go away.
 func startBackground(ctx context.Context, cfg Config, ctl kernel.Controller, m *attach.Manager, log *slog.Logger) *procs {
 	if ctl.Name() == "netlink" {
+		// Each replacement on its own goroutine: it may wait up to
+		// seconds for the kernel to read the dead socket empty
+		// (attach/settle.go), and events of other devices, which many
+		// timeouts at once bring, must not queue up behind it (nor
+		// overflow the multicast socket). The device's lock orders
+		// those of one device.
+		replace := func(index int) { go m.ReplaceDead(index) }
 		go func() {
-			if err := kernel.WatchLinkDead(ctx, m.ReplaceDead); err != nil {
+			if err := kernel.WatchLinkDead(ctx, replace); err != nil {
 				log.Warn("not watching LINK_DEAD", "err", err)
 			}
 		}()
