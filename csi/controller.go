@@ -304,6 +304,8 @@ func (d *Driver) existingVolume(o ceph.Options, name string, vol volume, p param
 		if v := content.GetVolume(); v != nil {
 			d.dropCloneSnapshot(o, v.GetVolumeId(), name)
 		}
+		// Finished, but its maker may have died before it said so.
+		d.cloneFinished(d.journal(o, vol.Spec.Pool, vol.Spec.Namespace), name)
 	}
 	d.log.Info("volume exists", "name", name, "image", vol.Spec.String())
 	return size, nil

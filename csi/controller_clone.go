@@ -327,6 +327,11 @@ func (d *Driver) cloneFinished(j journal, name string) {
 	}
 }
 
+// cloneUnderWay is how long after its journal entry a clone may still be
+// under way in another controller: librbd's clone is a few OSD
+// operations, each bounded by the controller's OSD timeout.
+const cloneUnderWay = 2 * controllerOSDTimeout
+
 // errRedo: an unfinished image at a volume's name was removed; the call
 // makes the volume afresh.
 var errRedo = errors.New("unfinished image removed: make the volume again")
@@ -344,13 +349,22 @@ func (d *Driver) dropUnfinishedClone(o ceph.Options, name string, vol volume, in
 	if err != nil {
 		return cephStatus(err, "read the clone journal of pool "+vol.Spec.Pool)
 	}
-	if !ok || rec.Image != vol.Spec.Image || info.Meta[metaName] == name {
+	if !ok || rec.Image != vol.Spec.Image {
 		return foreign
 	}
-	if info.Watchers > 0 {
-		return status.Errorf(codes.Aborted, "image %s, an unfinished clone of volume %q, is open elsewhere", vol.Spec, name)
+	// Another controller (an old pod still running through a rollout)
+	// may be making it right now: librbd opens the image, which then
+	// has a watcher, only a moment after creating it, so a young entry
+	// is left alone too.
+	if age := time.Since(rec.Since); info.Watchers > 0 || age < cloneUnderWay {
+		return status.Errorf(codes.Aborted, "image %s, a clone of volume %q begun %s ago, may still be under way",
+			vol.Spec, name, age.Round(time.Second))
 	}
-	if err := d.cfg.Images.RemoveImage(o, vol.Spec); err != nil {
+	switch err := d.cfg.Images.RemoveImage(o, vol.Spec); {
+	case errors.Is(err, ceph.ErrImageNotFound):
+	case errors.Is(err, ceph.ErrImageInUse):
+		return status.Errorf(codes.Aborted, "image %s, an unfinished clone of volume %q, is open elsewhere", vol.Spec, name)
+	case err != nil:
 		return cephStatus(err, "remove the unfinished clone "+describe(vol))
 	}
 	d.log.Warn("removed an unfinished clone an earlier call left; making it again", "name", name,

@@ -4,6 +4,7 @@ import (
 	"context"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
@@ -136,6 +137,15 @@ func TestUnfinishedCloneIsMadeAgain(t *testing.T) {
 	if again, err := r.restore("clone", volSourceOf(src.VolumeId), 0); err != nil || again.VolumeId != v.VolumeId {
 		t.Fatalf("a retry after the clone was finished: %v %v", again, err)
 	}
+	// Its maker died between finishing it and dropping the entry: the
+	// retry that finds it finished drops it.
+	j.update(map[string]any{cloneKey("clone"): cloneRecord{Image: child.Image}})
+	if _, err := r.restore("clone", volSourceOf(src.VolumeId), 0); err != nil {
+		t.Fatal(err)
+	}
+	if ok, _ := j.get(cloneKey("clone"), nil); ok {
+		t.Fatal("a retry of a finished clone left its journal entry")
+	}
 
 	// Open somewhere (a clone still under way elsewhere): not removed.
 	husk2 := ceph.ImageSpec{Pool: "rbd", Image: imageName("busy")}
@@ -149,7 +159,19 @@ func TestUnfinishedCloneIsMadeAgain(t *testing.T) {
 	r.images.mu.Unlock()
 	j.update(map[string]any{cloneKey("busy"): cloneRecord{Image: husk2.Image}})
 	_, err = r.restore("busy", volSourceOf(src.VolumeId), 0)
-	wantCode(t, "an unfinished clone open elsewhere", err, codes.Aborted, "open elsewhere")
+	wantCode(t, "an unfinished clone open elsewhere", err, codes.Aborted, "may still be under way")
+
+	// Begun a moment ago (by another controller, perhaps): not removed.
+	husk3 := ceph.ImageSpec{Pool: "rbd", Image: imageName("young")}
+	if err := r.images.CreateImage(fakeOpts, husk3, ceph.NewImage{Size: 64 << 20}); err != nil {
+		t.Fatal(err)
+	}
+	j.update(map[string]any{cloneKey("young"): cloneRecord{Image: husk3.Image, Since: time.Now()}})
+	_, err = r.restore("young", volSourceOf(src.VolumeId), 0)
+	wantCode(t, "an unfinished clone begun a moment ago", err, codes.Aborted, "may still be under way")
+	if _, err := r.images.ImageInfo(fakeOpts, husk3); err != nil {
+		t.Fatalf("a young unfinished clone was removed: %v", err)
+	}
 }
 
 // A clone's temporary snapshot left on its source by a failed clone
