@@ -205,8 +205,10 @@ static int nbdgo_aio(rbd_image_t img, int op, uint64_t off, uint64_t len,
 	nbdgo_offer(s, port, hdr, hlen, data, dlen);
 	rbd_completion_t c;
 	int r = rbd_aio_create_completion(s, nbdgo_cb, &c);
-	if (r < 0)
+	if (r < 0) {
+		s->port = s->data = 0;
 		return r;
+	}
 	__atomic_add_fetch(&s->img->inflight, 1, __ATOMIC_ACQ_REL);
 	switch (op) {
 	case OP_READ:    r = rbd_aio_read(img, off, len, buf, c); break;
@@ -219,6 +221,7 @@ static int nbdgo_aio(rbd_image_t img, int op, uint64_t off, uint64_t len,
 	if (r < 0) {
 		__atomic_sub_fetch(&s->img->inflight, 1, __ATOMIC_ACQ_REL);
 		rbd_aio_release(c);
+		s->port = s->data = 0;
 	}
 	return r;
 }

@@ -12,6 +12,7 @@ import (
 	"runtime/debug"
 	"strconv"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -108,7 +109,11 @@ func stressRound(t *testing.T, cl *Clusters, spec ceph.ImageSpec, seed uint64) {
 	}
 	var clients sync.WaitGroup
 	for k := range 2 {
-		a, c := socketpair(t)
+		a, c, err := stressPair()
+		if err != nil {
+			t.Error(err)
+			break
+		}
 		go s.ServeNegotiated(a, "")
 		clients.Add(1)
 		go func() {
@@ -123,6 +128,25 @@ func stressRound(t *testing.T, cl *Clusters, spec ceph.ImageSpec, seed uint64) {
 	if err := im.Close(); err != nil {
 		t.Error(err)
 	}
+}
+
+// stressPair is socketpair's for goroutines other than the test's (no
+// t.Fatal there).
+func stressPair() (net.Conn, net.Conn, error) {
+	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, nil, err
+	}
+	var cs [2]net.Conn
+	for i, fd := range fds {
+		f := os.NewFile(uintptr(fd), "socketpair")
+		cs[i], err = net.FileConn(f)
+		f.Close()
+		if err != nil {
+			return nil, nil, err
+		}
+	}
+	return cs[0], cs[1], nil
 }
 
 // stressClient sends random requests, up to 32 at a time, for up to a
@@ -219,4 +243,5 @@ send:
 		c.CloseWrite()
 	}
 	<-done
+	c.Close()
 }

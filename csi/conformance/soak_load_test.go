@@ -313,7 +313,7 @@ func report(seed int64, took time.Duration, vols []string, faults []fault, loads
 	}
 	fmt.Fprintf(&b, "%d fio verify passes and %d fsync'd append records, every one read back.\n", passes, records)
 	if w := base.to.Sub(base.from); w > 0 {
-		fmt.Fprintf(&b, "With no fault under way (%s before the first one), the slowest I/O completion was %s: the floor under every stall below.\n",
+		fmt.Fprintf(&b, "With no fault under way (the %s before the first one), the slowest I/O completion was %s: the floor under every stall below.\n",
 			w.Round(time.Second), base.slowest.Round(100*time.Millisecond))
 	}
 	b.WriteString("\n")

@@ -42,7 +42,7 @@ func TestReportBaseline(t *testing.T) {
 	f := []fault{{kind: fDaemonKill, start: t0.Add(40 * time.Second), at: 40 * time.Second}}
 	got := report(1, time.Minute, []string{"v"}, f, nil, soakTargets,
 		baseline{from: t0.Add(5 * time.Second), to: t0.Add(40 * time.Second), slowest: 1260 * time.Millisecond})
-	if want := "With no fault under way (35s before the first one), the slowest I/O completion was 1.3s"; !strings.Contains(got, want) {
+	if want := "With no fault under way (the 35s before the first one), the slowest I/O completion was 1.3s"; !strings.Contains(got, want) {
 		t.Errorf("report lacks %q:\n%s", want, got)
 	}
 	if got := report(1, time.Minute, []string{"v"}, nil, nil, soakTargets, baseline{}); strings.Contains(got, "no fault under way") {
