@@ -265,13 +265,20 @@ func TestRestoreDropsMemoryDevices(t *testing.T) {
 	}
 }
 
-func TestReplaceDeadConnection(t *testing.T) {
-	r := newRig(t)
-	m := r.manager(t)
+// mapMemTwo maps a memory device served on two connections.
+func mapMemTwo(t *testing.T, m *Manager) control.Record {
+	t.Helper()
 	rec, err := m.Map(control.Record{Index: kernel.AnyIndex, Spec: "mem:1M", Cookie: "q", MapOptions: control.MapOptions{Connections: 2}})
 	if err != nil {
 		t.Fatal(err)
 	}
+	return rec
+}
+
+func TestReplaceDeadConnection(t *testing.T) {
+	r := newRig(t)
+	m := r.manager(t)
+	rec := mapMemTwo(t, m)
 	d := r.k.dev(t, rec.Index)
 	// The kernel gives up on socket 1 (a request timed out): it shuts
 	// its end down and multicasts LINK_DEAD.

@@ -6,9 +6,6 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
-
-	"github.com/rbd-nbd-go/rbd-nbd-go/control"
-	"github.com/rbd-nbd-go/rbd-nbd-go/kernel"
 )
 
 // deadWithUnreadReply maps a two-connection device and plays the kernel
@@ -19,10 +16,7 @@ func deadWithUnreadReply(t *testing.T) (*Manager, *fakeDev, int) {
 	t.Helper()
 	r := newRig(t)
 	m := r.manager(t)
-	rec, err := m.Map(control.Record{Index: kernel.AnyIndex, Spec: "mem:1M", Cookie: "q", MapOptions: control.MapOptions{Connections: 2}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	rec := mapMemTwo(t, m)
 	d := r.k.dev(t, rec.Index)
 	sock := d.socks[1]
 	if err := writeReq(sock, cmdRead, 7, 0, 4096, nil); err != nil {
@@ -92,10 +86,7 @@ func TestSettleDeadIsBounded(t *testing.T) {
 
 	r := newRig(t)
 	m2 := r.manager(t)
-	rec, err := m2.Map(control.Record{Index: kernel.AnyIndex, Spec: "mem:1M", Cookie: "q", MapOptions: control.MapOptions{Connections: 2}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	rec := mapMemTwo(t, m2)
 	if waited, drained := m2.get(rec.Index).s.settleDead(time.Second, time.Second); waited != 0 || !drained {
 		t.Fatalf("settleDead with every connection live: waited %s, drained %v", waited, drained)
 	}
