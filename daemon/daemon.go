@@ -277,7 +277,13 @@ func takeBack(cfg Config, m *attach.Manager, tk *taken, log *slog.Logger) (net.L
 		err := m.Adopt(tk.handed, tk.prepared)
 		tk.handed, tk.prepared = nil, nil // the manager's, or closed by Adopt
 		tk.done(len(m.List()), err)
-		log.Info("took over from the previous daemon", "devices", len(m.List()), "took", time.Since(t0).Round(time.Millisecond), "err", err)
+		attrs := []any{"devices", len(m.List()), "took", time.Since(t0).Round(time.Millisecond), "err", err}
+		if !tk.paused.IsZero() {
+			// Every socket is read again once Adopt returns: an upper
+			// bound, per device, of the wait the handover added.
+			attrs = append(attrs, "reads_paused_for", time.Since(tk.paused).Round(time.Millisecond))
+		}
+		log.Info("took over from the previous daemon", attrs...)
 	}
 	if err := m.Restore(); err != nil {
 		log.Error("some devices were not reattached", "err", err)

@@ -73,6 +73,10 @@ type handoverMsg struct {
 	Conns   int              `json:"conns,omitempty"`
 	Adopted int              `json:"adopted,omitempty"`
 	Failed  []string         `json:"failed,omitempty"`
+	// Paused (in a header) is when the old daemon stopped reading new
+	// requests: the new one logs how long the kernel's sockets went
+	// unread, the handover's own share of an upgrade's I/O stall.
+	Paused time.Time `json:"paused,omitzero"`
 }
 
 // sendMsg sends one packet with files attached.
@@ -245,6 +249,7 @@ func (g *giver) give(c *net.UnixConn, left func()) bool {
 		return refuse(errors.New("control requests still running"))
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), cmp.Or(g.pauseWait, pauseWait))
+	pausing := time.Now()
 	h, err := g.m.HandOver(ctx)
 	cancel()
 	if err != nil {
@@ -288,7 +293,7 @@ func (g *giver) give(c *net.UnixConn, left func()) bool {
 		g.log.Error("handover failed after the devices were released; the next daemon reattaches them", "err", err)
 		return true
 	}
-	if err := sendMsg(c, handoverMsg{Op: "header", Devices: recs, Follow: follow}, lockDup, ctl, hand); err != nil {
+	if err := sendMsg(c, handoverMsg{Op: "header", Devices: recs, Follow: follow, Paused: pausing}, lockDup, ctl, hand); err != nil {
 		g.log.Error("handover failed after the devices were released; the next daemon reattaches them", "err", err)
 		return true
 	}
@@ -336,6 +341,7 @@ type taken struct {
 	hand     net.Listener
 	handed   []attach.Handed
 	prepared *attach.Prepared // opened ahead, by ownState
+	paused   time.Time        // the old daemon's last new read; zero if not sent
 }
 
 // list asks the daemon running in stateDir which devices it serves,
@@ -389,7 +395,7 @@ func take(stateDir string, log *slog.Logger) (*taken, error) {
 		// with it, and the ordinary reattach takes them back.
 		return nil, fmt.Errorf("%w: %v", errRefused, err)
 	}
-	t := &taken{conn: uc, lock: files[0]}
+	t := &taken{conn: uc, lock: files[0], paused: hdr.Paused}
 	files[0] = nil
 	fail := func(err error) (*taken, error) {
 		closeFiles(files)

@@ -121,11 +121,17 @@ func TestHandoverBetweenDaemons(t *testing.T) {
 	defer m2.Close()
 	prep := m2.Prepare(recs)
 
+	asked := time.Now()
 	tk, err := take(dir, slog.New(slog.DiscardHandler))
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer tk.close()
+	// When the old daemon stopped reading came along: the new one logs
+	// how long the sockets went unread.
+	if tk.paused.Before(asked) || tk.paused.After(time.Now()) {
+		t.Fatalf("paused at %v, not within the take (%v, now)", tk.paused, asked)
+	}
 	if len(tk.handed) != 1 || len(tk.handed[0].Conns) != 2 || tk.handed[0].Rec.Cookie != "c1" {
 		t.Fatalf("handed %+v", tk.handed)
 	}

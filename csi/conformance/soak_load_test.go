@@ -285,6 +285,7 @@ type fault struct {
 	stall     time.Duration // the slowest completion in [start, end)
 	waited    time.Duration // the longest any I/O waited after start, of those
 	where     string        // which volume, and when it completed
+	paused    time.Duration // an upgrade's: how long the sockets went unread
 	detail    string
 }
 
@@ -340,6 +341,38 @@ func report(seed int64, took time.Duration, vols []string, faults []fault, loads
 		}
 		fmt.Fprintf(&b, "| %s | %d | %s | %s | %s |\n", k, len(kinds[k]), worst.Round(100*time.Millisecond), waits[k].Round(100*time.Millisecond), targets[k])
 	}
+	if p := worstPaused(faults); p > 0 {
+		fmt.Fprintf(&b, "\nHandovers: the kernel's sockets went unread for at most %s (the new daemon's reads_paused_for: from the old one's last new read to every device read again), the handover's own share of an upgrade's stall; the rest is the floor and the new pod's start.\n",
+			p.Round(10*time.Millisecond))
+	}
 	b.WriteString("\nThe stall is the slowest I/O completion (fio's per-second maximum, or one append+fsync) on any volume between the fault and the next one; where says which volume, and when it completed, from the fault's start. The wait after the fault counts only the part of each I/O after the fault began (to 1 s: fio logs each second's slowest): a request already slow before the fault is not charged to it in full.\n")
 	return b.String()
+}
+
+// lastReadsPaused is the reads_paused_for of the daemon log's last
+// takeover, or 0.
+func lastReadsPaused(log string) time.Duration {
+	lines := strings.Split(log, "\n")
+	for i := len(lines) - 1; i >= 0; i-- {
+		if !strings.Contains(lines[i], `msg="took over from the previous daemon"`) {
+			continue
+		}
+		for _, w := range strings.Fields(lines[i]) {
+			if v, ok := strings.CutPrefix(w, "reads_paused_for="); ok {
+				d, _ := time.ParseDuration(v)
+				return d
+			}
+		}
+		return 0
+	}
+	return 0
+}
+
+// worstPaused is the longest unread spell of the run's handovers.
+func worstPaused(faults []fault) time.Duration {
+	var p time.Duration
+	for _, f := range faults {
+		p = max(p, f.paused)
+	}
+	return p
 }

@@ -49,3 +49,26 @@ func TestReportBaseline(t *testing.T) {
 		t.Errorf("a report with no baseline window states one:\n%s", got)
 	}
 }
+
+// TestHandoverPause: an upgrade's unread spell comes from the daemon
+// log's last takeover, and the report states the worst.
+func TestHandoverPause(t *testing.T) {
+	log := `time=2026-11-27T10:00:00Z level=INFO msg="took over from the previous daemon" devices=8 took=900ms err=<nil> reads_paused_for=1.25s
+time=2026-11-27T10:00:01Z level=INFO msg="adopted from the previous daemon" device=/dev/nbd0
+time=2026-11-27T10:01:00Z level=INFO msg="took over from the previous daemon" devices=8 took=300ms err=<nil> reads_paused_for=640ms
+time=2026-11-27T10:01:01Z level=INFO msg="served" reads_paused_for=9s
+`
+	if got := lastReadsPaused(log); got != 640*time.Millisecond {
+		t.Errorf("last takeover's pause: %s, want 640ms", got)
+	}
+	if got := lastReadsPaused(`msg="took over from the previous daemon" devices=1 took=1s err=<nil>`); got != 0 {
+		t.Errorf("a takeover without the field: %s, want 0", got)
+	}
+	f := []fault{{kind: fUpgrade, paused: 640 * time.Millisecond}, {kind: fUpgrade, paused: 1250 * time.Millisecond}, {kind: fStop}}
+	if got := report(1, time.Minute, []string{"v"}, f, nil, soakTargets, baseline{}); !strings.Contains(got, "went unread for at most 1.25s") {
+		t.Errorf("report lacks the worst handover pause:\n%s", got)
+	}
+	if got := report(1, time.Minute, []string{"v"}, f[2:], nil, soakTargets, baseline{}); strings.Contains(got, "Handovers:") {
+		t.Errorf("a report without upgrades states a handover pause:\n%s", got)
+	}
+}

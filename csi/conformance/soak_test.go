@@ -96,6 +96,9 @@ func TestChaosSoak(t *testing.T) {
 		seen[f.kind] = true
 		var err error
 		f.recovered, f.detail, err = s.inject(f.kind)
+		if f.kind == fUpgrade {
+			f.paused = lastReadsPaused(readFile(filepath.Join(s.p.dir, "state", "daemon.log")))
+		}
 		t.Logf("soak: %s at %s: recovered in %s %s", f.kind, f.at.Round(time.Second), f.recovered.Round(100*time.Millisecond), f.detail)
 		faults = append(faults, f)
 		if err != nil {
