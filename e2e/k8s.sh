@@ -312,7 +312,7 @@ log_ms() {
 	[ -n "$t" ] && date -d "$t" +%s%3N
 }
 scenario_f() {
-	local np pids t_roll t_kill t_term ready_roll ready_kill ready_term s_roll s_kill s_term s_hand h0 h1
+	local np pids t_roll t_kill t_term ready_roll ready_kill ready_term s_roll s_kill s_term s_hand h0 h1 paused
 	pvc f 512Mi rbd-nbd-go-ext4
 	check "PVC Bound" wait_jp 300 pvc f '{.status.phase}' '^Bound$'
 	# fio verify (libaio QD16) plus a 4k write+fdatasync loop; the
@@ -348,6 +348,8 @@ scenario_f() {
 	# window also holds the new pod's start, which in TCG stalls I/O by
 	# itself.
 	h0=$(log_ms 'msg="handing over to a new daemon"') h1=$(log_ms 'msg="handed over"')
+	# and how long the kernel's sockets went unread, as the new daemon saw it
+	paused=$(grep -a 'msg="took over from the previous daemon"' /run/rbd-nbd-go/daemon.log | tail -1 | grep -o 'reads_paused_for=[^ ]*' | cut -d= -f2)
 	np=$(node_pod)
 	log "    new node pod $np"
 	sleep 10
@@ -371,7 +373,7 @@ scenario_f() {
 	s_hand=$(stall_after "${h0:-0}" "$((${h1:-0} + 5000))")
 	s_kill=$(stall_after "$t_kill" "$t_term")
 	s_term=$(stall_after "$t_term" 9999999999999)
-	log "    rollout restart (overlapping pods): longest I/O $s_roll ms, $s_hand ms around the handover ($((${h1:-0} - ${h0:-0})) ms in the daemons); rollout done after $ready_roll ms"
+	log "    rollout restart (overlapping pods): longest I/O $s_roll ms, $s_hand ms around the handover ($((${h1:-0} - ${h0:-0})) ms in the daemons, sockets unread ${paused:-?}); rollout done after $ready_roll ms"
 	log "    kill -9 of plugin and daemon: longest I/O $s_kill ms; plugin Ready after $ready_kill ms"
 	log "    pod delete (SIGTERM, no overlap): longest I/O $s_term ms; plugin Ready after $ready_term ms"
 	# Twice the targets: timings are not asserted tighter in tests.
