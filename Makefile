@@ -91,15 +91,17 @@ e2e-k8s: deps build
 # single-node cluster, but the skips docs/conformance.md lists. make test
 # runs a fixed subset (scenario conformance). The counts by test pattern,
 # the failures and the skip reasons go to bench/reference/conformance,
-# dated, pass or fail.
+# dated, pass or fail (with E2E_CONFORMANCE_FOCUS set, beside its run:
+# bin/e2e-k8s/conformance/focus/report.md).
 e2e-k8s-conformance: deps build
-	e2e/k8s/images.sh bin/k8s-images
+	E2E_POPULATOR=1 e2e/k8s/images.sh bin/k8s-images
 	rm -rf bin/e2e-k8s/conformance/all
 	mkdir -p bin/e2e-k8s bench/reference/conformance
 	E2E_OUT=$(CURDIR)/bin/e2e-k8s scripts/vm/vm.sh --mem 6G --timeout 16200 --share $(CURDIR)/bin/e2e-k8s -- \
 		e2e/k8s.sh $(CURDIR)/bin/k8s-images conformance-all; rc=$$?; \
-	f=bench/reference/conformance/$$(date -u +%F)-all.md; \
-	if python3 e2e/k8s/conformance/report.py bin/e2e-k8s/conformance/all/report.json \
+	d=bin/e2e-k8s/conformance/all f=bench/reference/conformance/$$(date -u +%F)-all.md; \
+	if [ -n "$$E2E_CONFORMANCE_FOCUS" ]; then d=bin/e2e-k8s/conformance/focus f=$$d/report.md; fi; \
+	if python3 e2e/k8s/conformance/report.py $$d/report.json \
 		"Kubernetes v1.36.1 storage tests (External.Storage), $$(git rev-parse --short HEAD)" >$$f.tmp; then \
 		mv $$f.tmp $$f && echo "result: $$f"; \
 	else rm -f $$f.tmp; echo "no report: the run did not get to the suite"; rc=1; fi; \

@@ -6,13 +6,25 @@
 # costs nothing; a cold one about six minutes on two cores, and five more
 # for e2e.test; with Go's build cache warm, relinking all takes 2.5.
 #
+# `populator` builds hello-populator of e2e/k8s/populator instead, keyed
+# by that module alone: only make e2e-k8s-conformance needs it, so the
+# tools make test uses are neither rebuilt nor slowed by it (about three
+# minutes cold).
+#
 #   e2e/k8s/build-tools.sh            -> /var/cache/rbd-nbd-go-k8s/<hash>
+#   e2e/k8s/build-tools.sh populator  -> /var/cache/rbd-nbd-go-k8s/populator-<hash>
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
-tools=$here/tools
+tools=$here/tools prefix=
+if [ "${1:-}" = populator ]; then
+	tools=$here/populator prefix=populator-
+elif [ $# -gt 0 ]; then
+	echo "usage: build-tools.sh [populator]" >&2
+	exit 2
+fi
 hash=$(cat "$tools/go.mod" "$tools/go.sum" | sha256sum | cut -c1-16)
-out=${K8S_TOOLS_CACHE:-/var/cache/rbd-nbd-go-k8s}/$hash
+out=${K8S_TOOLS_CACHE:-/var/cache/rbd-nbd-go-k8s}/$prefix$hash
 if [ -f "$out/.done" ]; then
 	echo "$out"
 	exit 0
@@ -23,7 +35,9 @@ mkdir -p "$out/bin"
 # GOFLAGS from the main Makefile (-tags=pacific) mean nothing here. Every
 # one of these builds without cgo, kubelet included.
 cd "$tools"
-pkgs=$(sed -n '/^tool (/,/^)/p' go.mod | grep -v -e '^tool (' -e '^)' | tr -d '\t')
+# The tool directives, in a block or (go mod tidy's form for one) a line.
+pkgs=$(awk '/^tool \(/ {b = 1; next} b && /^\)/ {b = 0; next} b {print $1; next} /^tool [^(]/ {print $2}' go.mod)
+[ -n "$pkgs" ] || { echo "build-tools: no tool in $tools/go.mod" >&2; exit 1; }
 for p in $pkgs; do
 	name=${p##*/}
 	[ -x "$out/bin/$name" ] && continue
@@ -35,7 +49,7 @@ done
 # built as upstream's `make WHAT=test/e2e/e2e.test` does, from the same
 # pinned module. go.sum holds the sums of the modules only its tests
 # import (k8s.io/sample-apiserver), which `go mod tidy` would drop.
-if [ ! -x "$out/bin/e2e.test" ]; then
+if [ -z "$prefix" ] && [ ! -x "$out/bin/e2e.test" ]; then
 	echo "build-tools: e2e.test" >&2
 	GOFLAGS=-trimpath CGO_ENABLED=0 go test -c -ldflags=-s -o "$out/bin/e2e.test.tmp" k8s.io/kubernetes/test/e2e >&2
 	mv "$out/bin/e2e.test.tmp" "$out/bin/e2e.test"

@@ -49,3 +49,14 @@ for img in BusyBox:busybox Nginx:busybox GlibcDnsTesting:busybox Agnhost:agnhost
 		$b e2e "registry.k8s.io/e2e-test-images/$t" "$out/e2e-${t%%:*}.tar"
 	fi
 done
+# hello-populator, for the spec "provisioning should provision storage
+# with any volume data source" (make e2e-k8s-conformance sets
+# E2E_POPULATOR=1), under the name its manifest gives at the pinned
+# version. Static, one binary: its populate pods run it too.
+if [ "${E2E_POPULATOR:-}" = 1 ]; then
+	pop=$(e2e/k8s/build-tools.sh populator)
+	deploy=${manifest%/test/utils/image/manifest.go}/test/e2e/testing-manifests/storage-csi/any-volume-datasource/hello-populator-deploy.yaml
+	img=$(sed -n 's/^ *image: *\(.*hello-populator:[^ ]*\) *$/\1/p' "$deploy" | head -1)
+	[ -n "$img" ] || { echo "images: no hello-populator image in $deploy" >&2; exit 1; }
+	$b static "$pop/bin/hello-populator" /hello-populator "$img" "$out/hello-populator.tar"
+fi
