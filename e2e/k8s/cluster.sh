@@ -11,7 +11,9 @@
 # apiserver on :443, so in-cluster clients (the CSI sidecars) reach the
 # API as on a real cluster, with no kube-proxy. Pods off the host network
 # (Kubernetes' e2e suite makes only those) get a veth pair to the node
-# (the ptp CNI plugin, 10.244.0.0/24) and reach nothing beyond it.
+# (the ptp CNI plugin, 10.244.0.0/24) and one route beyond it: to
+# 10.96.0.1, the node's own, so in-cluster clients among them (the
+# suite's hello-populator) reach the API as the sidecars do.
 
 K=/run/k8s
 NODE=rbd-nbd-go-vm
@@ -53,7 +55,8 @@ k8s_containerd() { # containerd with its root and state on tmpfs (an overlay upp
 	# (veth: scripts/vm/vm.sh loads it).
 	cat >/run/cni/net.d/10-pods.conflist <<'EOF'
 {"cniVersion": "1.0.0", "name": "pods", "plugins": [{"type": "ptp", "ipMasq": false,
-  "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.244.0.0/24"}]], "dataDir": "/run/cni/ipam"}}]}
+  "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.244.0.0/24"}]], "routes": [{"dst": "10.96.0.1/32"}],
+    "dataDir": "/run/cni/ipam"}}]}
 EOF
 	cat >$K/containerd/config.toml <<'EOF'
 version = 2

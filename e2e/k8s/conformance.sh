@@ -41,7 +41,7 @@ CONFORMANCE_SUBSET=(
 # matching FOCUS (within External.Storage for this driver), PROCS at once;
 # fails if any spec fails. Prints the counts ginkgo ends with.
 conformance_run() {
-	local name=$1 focus=$2 procs=$3 limit=$4 out rc
+	local name=$1 focus=$2 procs=$3 limit=$4 out rc copier
 	out=${E2E_OUT:-$work}/conformance/$name
 	rm -rf "$out" && mkdir -p "$out" /run/e2e-conformance
 	# The suite takes a VolumeAttributesClass file of exactly one object:
@@ -53,6 +53,15 @@ conformance_run() {
 	# both work when the paths are absolute.
 	sed -E "s|^( *FromFile: )([^/])|\1$root/\2|" "$root/e2e/k8s/conformance/driver.yaml" >/run/e2e-conformance/driver.yaml
 	log "    ginkgo -p $procs, focus: $focus"
+	# The suite's own controller pods are gone with their namespaces when
+	# a spec ends: their logs (hello-populator's, its populate pods') are
+	# copied while it runs, to explain a failure.
+	(while sleep 10; do
+		for f in /var/log/pods/*_hello-populator-*/*/*.log /var/log/pods/*_populate-*/*/*.log; do
+			[ -f "$f" ] && cp "$f" "$out/suite-pod-$(basename "$(dirname "$(dirname "$f")")" | cut -d_ -f2).log"
+		done
+	done) &
+	local copier=$!
 	# ginkgo's own timeout first, so it still writes its reports; ours
 	# only if it hangs past that.
 	(cd "$root" && timeout -k 30 "$((limit + 300))" ginkgo --procs="$procs" --no-color --timeout="${limit}s" --poll-progress-after=10m \
@@ -62,6 +71,7 @@ conformance_run() {
 		-kubeconfig="$KUBECONFIG" -storage.testdriver=/run/e2e-conformance/driver.yaml -repo-root="$root" \
 		-node-os-distro=debian >"$out/ginkgo.log" 2>&1)
 	rc=$?
+	kill $copier 2>/dev/null
 	# For explaining a failure: the daemon's log and the kernel's (nbd's
 	# own messages), and every container log of the driver's pods, the
 	# ones before each restart included (the kubelet's N.log files).
