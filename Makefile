@@ -83,7 +83,7 @@ soak: deps build bin/csi-conformance.test
 e2e-k8s: deps build
 	e2e/k8s/images.sh bin/k8s-images
 	mkdir -p bin/e2e-k8s
-	E2E_OUT=$(CURDIR)/bin/e2e-k8s scripts/vm/vm.sh --mem 6G --timeout 3000 --share $(CURDIR)/bin/e2e-k8s -- e2e/k8s.sh $(CURDIR)/bin/k8s-images $(K8S_SCENARIOS)
+	E2E_OUT=$(CURDIR)/bin/e2e-k8s scripts/vm/vm.sh --mem 6G --timeout 3600 --share $(CURDIR)/bin/e2e-k8s -- e2e/k8s.sh $(CURDIR)/bin/k8s-images $(K8S_SCENARIOS)
 
 # Kubernetes' own storage tests for CSI drivers: every External.Storage
 # spec of e2e.test (k8s.io/kubernetes v1.36.1, built by
