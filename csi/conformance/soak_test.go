@@ -95,9 +95,14 @@ func TestChaosSoak(t *testing.T) {
 		deck = deck[1:]
 		seen[f.kind] = true
 		var err error
+		dlog := filepath.Join(s.p.dir, "state", "daemon.log")
+		seenLog := len(readFile(dlog))
 		f.recovered, f.detail, err = s.inject(f.kind)
 		if f.kind == fUpgrade {
-			f.paused = lastReadsPaused(readFile(filepath.Join(s.p.dir, "state", "daemon.log")))
+			// Only this upgrade's takeover: a refused handover has none.
+			if l := readFile(dlog); len(l) >= seenLog {
+				f.paused = lastReadsPaused(l[seenLog:])
+			}
 		}
 		t.Logf("soak: %s at %s: recovered in %s %s", f.kind, f.at.Round(time.Second), f.recovered.Round(100*time.Millisecond), f.detail)
 		faults = append(faults, f)
