@@ -126,3 +126,78 @@ csi_map() { # csi_map IMAGE COOKIE [extra]
 		map "$img" --try-netlink --reattach-timeout=300 --io-timeout=0 --cookie="$cookie" "$@"
 }
 
+
+# --- a hung device ends the run, with its evidence
+# The kernel retries a timed-out NBD request forever (the daemon replaces
+# the socket it shut, "Connection timed out, retrying (N/M alive)" every
+# io-timeout), so a request the daemon never answers hangs its test until
+# the VM's timeout, and a CI run's tail then shows only the retries. So a
+# device timing out with live connections for HANG_SECS on end (no fault
+# a test makes comes near: the soak's OSD restart stalls under a minute,
+# and a dead daemon leaves no connection alive) dumps what
+# explains it -- the daemon's slow-request lines, its goroutines (SIGQUIT
+# ends it), the image's lock and watchers, the kernel's in-flight counts --
+# into $E2E_OUT/hang (or $work/hang) and its summary to the console, then
+# powers the VM off: the run fails in minutes, its tail saying why.
+hang_watch() {
+	local secs=${HANG_SECS:-180} out=${E2E_OUT:-$work}/hang first=() now dev line t
+	declare -A since=()
+	while sleep 15; do
+		now=$(cut -d. -f1 /proc/uptime)
+		# nbd devices with a timeout in the last 30 s, by dmesg's clock
+		local hot
+		hot=$(dmesg 2>/dev/null | sed -n 's/^\[ *\([0-9]*\)\.[0-9]*\] block \(nbd[0-9]*\): Connection timed out, retrying ([1-9][0-9]*\/.*/\1 \2/p' |
+			awk -v now="$now" '$1 >= now - 30 {print $2}' | sort -u)
+		for dev in "${!since[@]}"; do grep -qx "$dev" <<<"$hot" || unset "since[$dev]"; done
+		for dev in $hot; do
+			[ -n "${since[$dev]:-}" ] || since[$dev]=$now
+			[ $((now - since[$dev])) -ge "$secs" ] && { hang_dump "$dev" $((now - since[$dev])) "$out"; return; }
+		done
+	done
+}
+hang_dump() { # hang_dump DEV SECONDS OUT
+	local dev=$1 secs=$2 out=$3 pid log=/run/rbd-nbd-go/daemon.log
+	# Started before the cluster: its conf is where cluster() puts it.
+	export CEPH_CONF=${CEPH_CONF:-$work/ceph/ceph.conf}
+	mkdir -p "$out"
+	dmesg -n 1 2>/dev/null # the kernel's retries off the console from here
+	{
+		echo "== /dev/$dev: requests timed out for $secs s"
+		echo "== inflight (read write): $(cat /sys/block/$dev/inflight 2>/dev/null)"
+		echo "== list-mapped"; timeout 10 "$B" list-mapped 2>&1
+		echo "== the daemon's slow requests, handovers, replaced sockets (last 40)"
+		grep -aE 'slow|stale|held a write|dead|handover|handed|took over|error' "$log" 2>/dev/null | tail -40
+		echo "== daemon.log, last 40"; tail -40 "$log" 2>/dev/null
+		mount -t debugfs none /sys/kernel/debug 2>/dev/null
+		echo "== the kernel's requests in flight on $dev (debugfs)"; cat /sys/kernel/debug/nbd/$dev/tasks 2>&1 | head -20
+		pid=$(pgrep -o -f 'rbd-nbd-go daemon')
+		echo "== the daemon's threads, by wait channel"
+		for t in /proc/$pid/task/*/wchan; do cat "$t" 2>/dev/null; echo; done | sort | uniq -c | sort -rn | head
+	} >"$out/summary.txt" 2>&1
+	local img
+	for img in $(rbd ls rbd 2>/dev/null); do
+		echo "== rbd/$img: $(timeout 20 rbd status "rbd/$img" 2>&1 | tr '\n' ' ') locks: $(timeout 20 rbd lock ls "rbd/$img" 2>&1 | tr '\n' ' ')"
+	done >>"$out/summary.txt"
+	cp "$log" "$out/daemon.log" 2>/dev/null
+	dmesg >"$out/dmesg.txt" 2>/dev/null
+	# The goroutines: who holds the request (SIGQUIT ends the daemon).
+	# By name: a pod's daemon writes its own namespace's pid in the lock.
+	pid=$(pgrep -o -f 'rbd-nbd-go daemon')
+	if [ -n "$pid" ] && kill -QUIT "$pid" 2>/dev/null; then
+		sleep 3
+		sed -n '/^SIGQUIT: quit/,$p' "$log" >"$out/goroutines.txt"
+	fi
+	{
+		cat "$out/summary.txt"
+		echo "== goroutines waiting longest (full dump in $out/goroutines.txt)"
+		grep -aA12 -E '^goroutine [0-9]+ \[[^]]*, [0-9]+ minutes\]' "$out/goroutines.txt" 2>/dev/null | head -120
+		log "HANG: /dev/$dev timed out requests for $secs s; the run is stopped (evidence above and in $out)"
+	} >/dev/ttyS0 2>&1
+	sync
+	echo o >/proc/sysrq-trigger
+}
+# Every VM script watches from the start (hang_watch's subshell dies with
+# the VM, or is killed when the script exits).
+hang_watch &
+hang_watcher=$!
+trap 'kill $hang_watcher 2>/dev/null' EXIT
