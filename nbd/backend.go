@@ -125,6 +125,10 @@ type Request struct {
 	// would each wait for the other.
 	gated bool
 	born  uint32 // watchdog tick when read
+	// payloadIn: the whole request is read, a WRITE's payload included
+	// (set by the reader after it, so a stale mark taken after this is
+	// seen holds the payload the gate may compare).
+	payloadIn atomic.Bool
 	// For Stats: when the header was read and when the backend got it
 	// (0: never submitted), on Stats' clock.
 	tRead, tSubmit int64

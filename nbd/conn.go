@@ -222,6 +222,7 @@ func (c *conn) acquire(payload int, h []byte) *Request {
 		c.all = append(c.all, r)
 	}
 	r.state, r.slow, r.stale, r.born = reqBackend, false, false, c.pool.dog.tick.Load()
+	r.payloadIn.Store(false)
 	r.cookie, r.cflags, r.cmd = be.Uint64(h[8:]), be.Uint16(h[4:]), be.Uint16(h[6:])
 	r.Offset, r.Length = be.Uint64(h[16:]), be.Uint32(h[24:])
 	c.bytes += payload
@@ -369,6 +370,7 @@ func (c *conn) readLoop() error {
 				}
 			}
 		}
+		r.payloadIn.Store(true)
 		r.Op = Op(cmd)
 		r.Flags = c.backendFlags(cmd, cflags)
 		if length == 0 && cmd != cmdFlush {
@@ -376,8 +378,16 @@ func (c *conn) readLoop() error {
 			continue
 		}
 		if g := c.exp.gate; g.n.Load() > 0 && writeLike(r.cmd) && g.overlaps(r) {
+			first := g.dupOf(r)
 			c.gate(r, true)
 			g.wait(r)
+			if first != nil && g.succeeded(first) {
+				c.ungate(r)
+				c.srv.log.Warn("nbd: answered a kernel retry with its first copy's result, which it waited for",
+					"op", r.Op, "offset", r.Offset, "length", r.Length, "remote", remote(c.w.nc))
+				c.complete(r)
+				continue
+			}
 			c.gate(r, false)
 			c.srv.log.Warn("nbd: held a write until an overlapping one sent before a kernel retry left the backend",
 				"op", r.Op, "offset", r.Offset, "length", r.Length, "remote", remote(c.w.nc))
@@ -402,6 +412,14 @@ func (c *conn) gate(r *Request, held bool) {
 	if !held {
 		c.markStale(r, c.pool.dog.tick.Load(), c.exp.gate.ticks(&c.pool.dog))
 	}
+	c.mu.Unlock()
+}
+
+// ungate releases r from the stale gate without marking it: it is
+// answered without reaching the backend.
+func (c *conn) ungate(r *Request) {
+	c.mu.Lock()
+	r.gated = false
 	c.mu.Unlock()
 }
 

@@ -127,6 +127,13 @@ func (r *Request) Sent() {
 	if c.stats != nil {
 		c.stats.done(r)
 	}
+	if c.exp.gate.n.Load() > 0 { // a stale request has an entry until now
+		c.mu.Lock()
+		if r.stale {
+			c.exp.gate.finished(r)
+		}
+		c.mu.Unlock()
+	}
 	one := [1]*Request{r}
 	c.recycle(one[:])
 }

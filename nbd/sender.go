@@ -92,6 +92,9 @@ func (c *conn) complete(r *Request) {
 		c.stats.done(r)
 	}
 	c.mu.Lock()
+	if r.stale {
+		c.exp.gate.finished(r)
+	}
 	r.state = reqReply
 	c.done = append(c.done, r)
 	if r.cmd == cmdRead {
@@ -110,6 +113,9 @@ func (c *conn) completeDeferred(r *Request) bool {
 		c.stats.done(r)
 	}
 	c.mu.Lock()
+	if r.stale {
+		c.exp.gate.finished(r)
+	}
 	r.state = reqReply
 	c.done = append(c.done, r)
 	first := !c.batched

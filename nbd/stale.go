@@ -1,6 +1,7 @@
 package nbd
 
 import (
+	"bytes"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -22,12 +23,25 @@ import (
 // (two held copies would wait for each other); released past the mark,
 // it is marked before it is submitted.
 //
+// A held copy that repeats the stale request exactly (the same command,
+// range, flags and payload bytes: the kernel's retry of it, whose handle
+// may differ entirely, as the block layer may give a requeued request
+// another tag) is not submitted again: once the first copy succeeds, the
+// copy is answered with that. Writing the same bytes over the same range
+// twice is writing them once, and an identical write that is not a retry
+// is concurrent with the first (it overlaps a write not yet answered), so
+// it has no order to keep. Executed again, every retry would add a whole
+// write to a backend already slower than the kernel's timer, and a chain
+// of copies each waiting for the last would never catch up; answered from
+// the first copy, the retry in flight when it completes gets its reply,
+// however slow the backend was. A failed first copy is retried for real.
+//
 // The fast path pays one atomic load per write while nothing is stale.
 type staleGate struct {
 	after time.Duration // Export.StaleAfter
 	n     atomic.Int32  // len(reqs), for the lock-free check
 	mu    sync.Mutex
-	reqs  []staleReq
+	reqs  []*staleReq
 }
 
 type staleReq struct {
@@ -35,6 +49,13 @@ type staleReq struct {
 	r        *Request
 	born     uint32 // r.born when marked: a reused request is another one
 	off, end uint64
+	// What a repeat of it matches (see dupOf); full: its payload was
+	// whole when marked, so r.Data may be compared until done.
+	cmd, cflags uint16
+	full        bool
+	// Set by finished, under g.mu, when it leaves the backend.
+	done bool
+	err  error
 }
 
 // stalePoll is how often a held write looks again; the watchdog's tick
@@ -60,9 +81,51 @@ func (g *staleGate) mark(c *conn, r *Request) {
 		return
 	}
 	g.mu.Lock()
-	g.reqs = append(g.reqs, staleReq{c: c, r: r, born: r.born, off: r.Offset, end: r.Offset + uint64(r.Length)})
+	g.reqs = append(g.reqs, &staleReq{c: c, r: r, born: r.born, off: r.Offset, end: r.Offset + uint64(r.Length),
+		cmd: r.cmd, cflags: r.cflags, full: r.payloadIn.Load()})
 	g.n.Store(int32(len(g.reqs)))
 	g.mu.Unlock()
+}
+
+// finished records that c's stale request r has left the backend with
+// r.err, and forgets it (c.mu held, as for mark).
+func (g *staleGate) finished(r *Request) {
+	g.mu.Lock()
+	g.reqs = slices.DeleteFunc(g.reqs, func(s *staleReq) bool {
+		if s.r != r || s.born != r.born {
+			return false
+		}
+		s.done, s.err = true, r.err
+		return true
+	})
+	g.n.Store(int32(len(g.reqs)))
+	g.mu.Unlock()
+}
+
+// dupOf returns the stale request r repeats exactly, if any: the same
+// command, range, flags and, for a WRITE, payload bytes (r's is whole).
+// The stale one's payload is read under g.mu before it is done: its
+// buffer is released only after finished, which takes g.mu.
+func (g *staleGate) dupOf(r *Request) *staleReq {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for _, s := range g.reqs {
+		if s.r == r || s.done || !s.full || s.cmd != r.cmd || s.cflags != r.cflags ||
+			s.off != r.Offset || s.end != r.Offset+uint64(r.Length) {
+			continue
+		}
+		if r.cmd != cmdWrite || bytes.Equal(s.r.Data[:r.Length], r.Data[:r.Length]) {
+			return s
+		}
+	}
+	return nil
+}
+
+// succeeded reports whether s left the backend without an error.
+func (g *staleGate) succeeded(s *staleReq) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return s.done && s.err == nil
 }
 
 // gone reports whether s has left the backend (s.c.mu not held).
@@ -77,21 +140,19 @@ func (s *staleReq) gone() bool {
 // lock, then g.mu.
 func (g *staleGate) prune() {
 	g.mu.Lock()
-	reqs := append([]staleReq(nil), g.reqs...)
+	reqs := append([]*staleReq(nil), g.reqs...)
 	g.mu.Unlock()
-	var done []staleReq
-	for i := range reqs {
-		if reqs[i].gone() {
-			done = append(done, reqs[i])
+	var done []*staleReq
+	for _, s := range reqs {
+		if s.gone() {
+			done = append(done, s)
 		}
 	}
 	if len(done) == 0 {
 		return
 	}
 	g.mu.Lock()
-	g.reqs = slices.DeleteFunc(g.reqs, func(s staleReq) bool {
-		return slices.ContainsFunc(done, func(d staleReq) bool { return d.r == s.r && d.born == s.born })
-	})
+	g.reqs = slices.DeleteFunc(g.reqs, func(s *staleReq) bool { return slices.Contains(done, s) })
 	g.n.Store(int32(len(g.reqs)))
 	g.mu.Unlock()
 }

@@ -136,10 +136,11 @@ func TestStaleAfterFollowsTheExport(t *testing.T) {
 	cs[1].recv(0)
 }
 
-// TestRetriedTwiceNotDeadlocked: the kernel timed a write out twice
-// while the first copy sat in the backend (an OSD cut off), so two later
-// copies are held, each past the stale mark. They must not wait for
-// each other: once the first copy completes, both go through. A copy
+// TestRetriedTwiceNotDeadlocked: two writes over the range of one sat in
+// the backend (an OSD cut off) are held, each past the stale mark. Their
+// payloads differ from the first's, so neither is answered from it (see
+// TestRetryAnsweredByItsFirstCopy for repeats). They must not wait for
+// each other: once the first completes, both go through. A write
 // released past the mark is marked at once, so a newer overlapping write
 // waits for it.
 func TestRetriedTwiceNotDeadlocked(t *testing.T) {
@@ -148,9 +149,9 @@ func TestRetriedTwiceNotDeadlocked(t *testing.T) {
 	cs[0].send(cmdWrite, 0, 1, 8192, 4096, pattern(4096, 1))
 	orig := dev.wait(t, 1)[0]
 	time.Sleep(mark)
-	cs[1].send(cmdWrite, 0, 2, 8192, 4096, pattern(4096, 1)) // the first retry
+	cs[1].send(cmdWrite, 0, 2, 8192, 4096, pattern(4096, 5))
 	time.Sleep(mark)
-	cs[2].send(cmdWrite, 0, 3, 8192, 4096, pattern(4096, 1)) // the second
+	cs[2].send(cmdWrite, 0, 3, 8192, 4096, pattern(4096, 6))
 	noSubmit(t, dev, mark)
 	dev.finish(orig, nil)
 	cs[0].recv(0)
@@ -175,4 +176,62 @@ func TestRetriedTwiceNotDeadlocked(t *testing.T) {
 	cs[2].recv(0)
 	dev.finish(submitted(t, dev, "the newer write was never submitted"), nil)
 	cs[0].recv(0)
+}
+
+// TestRetryAnsweredByItsFirstCopy: the kernel's retries of a write still
+// in the backend (the same range, flags and bytes; the handle's tag may
+// change) are held, then answered with the first copy's success without
+// reaching the backend again. A first copy that failed has its retry
+// executed; and a write of other bytes over the same range is executed
+// after the first copy, as before.
+func TestRetryAnsweredByItsFirstCopy(t *testing.T) {
+	dev, cs, logs, sh := staleRigN(t, 0, 3)
+	mark := time.Duration(slowAfter+3) * sh.dog.every
+	const tag = 0x00010007
+	cs[0].send(cmdWrite, 0, 1<<32|tag, 8192, 4096, pattern(4096, 1))
+	orig := dev.wait(t, 1)[0]
+	time.Sleep(mark)
+	cs[1].send(cmdWrite, 0, 2<<32|tag, 8192, 4096, pattern(4096, 1)) // its retry
+	time.Sleep(mark)
+	cs[2].send(cmdWrite, 0, 3<<32|0x00010009, 8192, 4096, pattern(4096, 1)) // again, under another tag
+	noSubmit(t, dev, mark)
+	dev.finish(orig, nil)
+	cs[0].recv(0)
+	if r := cs[1].recv(0); r.errno != 0 || r.cookie != 2<<32|tag {
+		t.Fatalf("the retry's reply: %+v", r)
+	}
+	if r := cs[2].recv(0); r.errno != 0 || r.cookie != 3<<32|0x00010009 {
+		t.Fatalf("the second retry's reply: %+v", r)
+	}
+	noSubmit(t, dev, 100*time.Millisecond)
+	if !strings.Contains(logs.String(), "answered a kernel retry with its first copy's result") {
+		t.Fatalf("no log line:\n%s", logs.String())
+	}
+
+	// The first copy fails: the retry is the real attempt.
+	cs[0].send(cmdWrite, 0, 3<<32|tag, 16384, 4096, pattern(4096, 2))
+	orig = dev.wait(t, 1)[0]
+	time.Sleep(mark)
+	cs[1].send(cmdWrite, 0, 4<<32|tag, 16384, 4096, pattern(4096, 2))
+	noSubmit(t, dev, mark)
+	dev.finish(orig, ErrIO)
+	if r := cs[0].recv(0); r.errno == 0 {
+		t.Fatal("the failed first copy was answered without an error")
+	}
+	retry := submitted(t, dev, "the retry of a failed write was never executed")
+	dev.finish(retry, nil)
+	if r := cs[1].recv(0); r.errno != 0 {
+		t.Fatalf("the executed retry: %+v", r)
+	}
+
+	// Other bytes over the same range: no repeat.
+	cs[0].send(cmdWrite, 0, 5<<32|tag, 32768, 4096, pattern(4096, 3))
+	orig = dev.wait(t, 1)[0]
+	time.Sleep(mark)
+	cs[2].send(cmdWrite, 0, 6<<32|(tag+1), 32768, 4096, pattern(4096, 4))
+	noSubmit(t, dev, mark)
+	dev.finish(orig, nil)
+	cs[0].recv(0)
+	dev.finish(submitted(t, dev, "a write of other bytes over a stale one's range was answered without executing it"), nil)
+	cs[2].recv(0)
 }
