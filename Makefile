@@ -42,15 +42,17 @@ e2e: deps build
 	$(MAKE) --no-print-directory e2e-k8s K8S_SCENARIOS="$(K8S_TEST_SCENARIOS)"
 
 # The e2e-k8s scenarios make test runs. Left out, to keep make test under
-# an hour on two cores: b (Retain/static), d (online expansion) and h (an
-# encrypted PVC's life), whose driver paths e2e-csi runs on real /dev/nbd
-# (TestRetainAndStaticVolume, TestOnlineExpand, TestEncryptedVolume); the
-# full `make e2e-k8s` runs them. conformance is a fixed subset of
-# Kubernetes' own storage tests (make e2e-k8s-conformance runs them all);
-# it provisions, writes and reads back ext4, xfs and raw block volumes, so
-# a (the same, plus the image gone after delete, which e checks too) is
-# left to the full run as well.
-K8S_TEST_SCENARIOS = c e f g i conformance
+# an hour on two cores: b (Retain/static), d (online expansion), e
+# (snapshots, restores and clones) and h (an encrypted PVC's life), whose
+# driver paths e2e-csi runs on real /dev/nbd (TestRetainAndStaticVolume,
+# TestOnlineExpand, TestSnapshotRestoreCloneMounted, TestEncryptedVolume)
+# and whose Kubernetes paths the conformance subset runs too (a snapshot
+# of a written volume, restores and clones); the full `make e2e-k8s` runs
+# them. conformance is a fixed subset of Kubernetes' own storage tests
+# (make e2e-k8s-conformance runs them all); it provisions, writes and
+# reads back ext4, xfs and raw block volumes, so a (the same, plus the
+# image gone after delete) is left to the full run as well.
+K8S_TEST_SCENARIOS = c f g i conformance
 
 # The CSI driver on real /dev/nbd in the VM: upstream csi-sanity (whole
 # suite), a volume's life, Retain/static, online expand, restart
@@ -83,7 +85,7 @@ soak: deps build bin/csi-conformance.test
 e2e-k8s: deps build
 	e2e/k8s/images.sh bin/k8s-images
 	mkdir -p bin/e2e-k8s
-	E2E_OUT=$(CURDIR)/bin/e2e-k8s scripts/vm/vm.sh --mem 6G --timeout 3600 --share $(CURDIR)/bin/e2e-k8s -- e2e/k8s.sh $(CURDIR)/bin/k8s-images $(K8S_SCENARIOS)
+	E2E_OUT=$(CURDIR)/bin/e2e-k8s scripts/vm/vm.sh --mem 6G --timeout 4200 --share $(CURDIR)/bin/e2e-k8s -- e2e/k8s.sh $(CURDIR)/bin/k8s-images $(K8S_SCENARIOS)
 
 # Kubernetes' own storage tests for CSI drivers: every External.Storage
 # spec of e2e.test (k8s.io/kubernetes v1.36.1, built by
