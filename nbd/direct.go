@@ -127,13 +127,15 @@ func (r *Request) Sent() {
 	if c.stats != nil {
 		c.stats.done(r)
 	}
-	if c.exp.gate.n.Load() > 0 { // a stale request has an entry until now
-		c.mu.Lock()
-		if r.stale {
-			c.exp.gate.finished(r)
-		}
-		c.mu.Unlock()
+	// Out of the backend, under c.mu, before recycle lets its buffer go:
+	// the watchdog may mark it stale until then, and the stale gate reads
+	// a stale write's payload until it is finished.
+	c.mu.Lock()
+	if r.stale {
+		c.exp.gate.finished(r)
 	}
+	r.state = reqReply
+	c.mu.Unlock()
 	one := [1]*Request{r}
 	c.recycle(one[:])
 }
