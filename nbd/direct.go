@@ -134,6 +134,9 @@ func (r *Request) Sent() {
 	if r.stale {
 		c.exp.gate.finished(r)
 	}
+	if writeLike(r.cmd) {
+		c.exp.gate.wrote(r.Offset, r.Length, c.pool.dog.tick.Load())
+	}
 	r.state = reqReply
 	c.mu.Unlock()
 	one := [1]*Request{r}

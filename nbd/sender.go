@@ -95,6 +95,9 @@ func (c *conn) complete(r *Request) {
 	if r.stale {
 		c.exp.gate.finished(r)
 	}
+	if writeLike(r.cmd) {
+		c.exp.gate.wrote(r.Offset, r.Length, c.pool.dog.tick.Load())
+	}
 	r.state = reqReply
 	c.done = append(c.done, r)
 	if r.cmd == cmdRead {
@@ -115,6 +118,9 @@ func (c *conn) completeDeferred(r *Request) bool {
 	c.mu.Lock()
 	if r.stale {
 		c.exp.gate.finished(r)
+	}
+	if writeLike(r.cmd) {
+		c.exp.gate.wrote(r.Offset, r.Length, c.pool.dog.tick.Load())
 	}
 	r.state = reqReply
 	c.done = append(c.done, r)

@@ -28,9 +28,13 @@ import (
 // may differ entirely, as the block layer may give a requeued request
 // another tag) is not submitted again: once the first copy succeeds, the
 // copy is answered with that. Writing the same bytes over the same range
-// twice is writing them once, and an identical write that is not a retry
-// is concurrent with the first (it overlaps a write not yet answered), so
-// it has no order to keep. Executed again, every retry would add a whole
+// twice is writing them once. An identical write that is not a retry is
+// concurrent with the first (which is not answered yet), but may have to
+// land after another write over the range that was answered meanwhile
+// and that the backend let overtake the first: so no repeat is answered
+// from a first copy once any write-like request over its range has left
+// the backend since the first copy was read (per 4 MiB bucket, by the
+// watchdog's tick: coarse, so only ever refusing too often). Executed again, every retry would add a whole
 // write to a backend already slower than the kernel's timer, and a chain
 // of copies each waiting for the last would never catch up; answered from
 // the first copy, the retry in flight when it completes gets its reply,
@@ -42,6 +46,37 @@ type staleGate struct {
 	n     atomic.Int32  // len(reqs), for the lock-free check
 	mu    sync.Mutex
 	reqs  []*staleReq
+	// left: per 4 MiB of the export (hashed), 1 + the watchdog tick at
+	// which a write-like request over it last left the backend.
+	left [leftBuckets]atomic.Uint32
+}
+
+const (
+	leftBuckets = 1024
+	leftShift   = 22 // 4 MiB
+)
+
+// wrote records that a write-like request over [off, off+length) left
+// the backend at watchdog tick now: a repeat of an older stale write over
+// it is no longer answered from that one (dupOf).
+func (g *staleGate) wrote(off uint64, length uint32, now uint32) {
+	if length == 0 {
+		return
+	}
+	for b := off >> leftShift; b <= (off+uint64(length)-1)>>leftShift; b++ {
+		g.left[b%leftBuckets].Store(now + 1)
+	}
+}
+
+// wroteSince reports whether a write-like request over [off, end) left
+// the backend at or after tick born.
+func (g *staleGate) wroteSince(off, end uint64, born uint32) bool {
+	for b := off >> leftShift; b <= (end-1)>>leftShift; b++ {
+		if g.left[b%leftBuckets].Load() > born {
+			return true
+		}
+	}
+	return false
 }
 
 type staleReq struct {
@@ -103,7 +138,9 @@ func (g *staleGate) finished(r *Request) {
 }
 
 // dupOf returns the stale request r repeats exactly, if any: the same
-// command, range, flags and, for a WRITE, payload bytes (r's is whole).
+// command, range, flags and, for a WRITE, payload bytes (r's is whole),
+// with no write-like request over the range gone from the backend since
+// it was read.
 // The stale one's payload is read under g.mu before it is done: its
 // buffer is released only after finished, which takes g.mu.
 func (g *staleGate) dupOf(r *Request) *staleReq {
@@ -111,7 +148,7 @@ func (g *staleGate) dupOf(r *Request) *staleReq {
 	defer g.mu.Unlock()
 	for _, s := range g.reqs {
 		if s.r == r || s.done || !s.full || s.cmd != r.cmd || s.cflags != r.cflags ||
-			s.off != r.Offset || s.end != r.Offset+uint64(r.Length) {
+			s.off != r.Offset || s.end != r.Offset+uint64(r.Length) || g.wroteSince(s.off, s.end, s.born) {
 			continue
 		}
 		if r.cmd != cmdWrite || bytes.Equal(s.r.Data[:r.Length], r.Data[:r.Length]) {

@@ -235,3 +235,24 @@ func TestRetryAnsweredByItsFirstCopy(t *testing.T) {
 	dev.finish(submitted(t, dev, "a write of other bytes over a stale one's range was answered without executing it"), nil)
 	cs[2].recv(0)
 }
+
+// TestRepeatAfterAnOverlapIsWritten: a write repeating a stale one is not
+// answered from it when another write over the range was answered in
+// between (sent before the first was stale, so not held): the repeat must
+// land after that one, and the first copy may not have.
+func TestRepeatAfterAnOverlapIsWritten(t *testing.T) {
+	dev, cs, _, sh := staleRigN(t, 0, 3)
+	mark := time.Duration(slowAfter+3) * sh.dog.every
+	cs[0].send(cmdWrite, 0, 1, 8192, 4096, pattern(4096, 1))
+	orig := dev.wait(t, 1)[0]
+	cs[1].send(cmdWrite, 0, 2, 8192, 4096, pattern(4096, 2)) // young: not held
+	dev.finish(submitted(t, dev, "a young overlapping write was held"), nil)
+	cs[1].recv(0)
+	time.Sleep(mark)
+	cs[2].send(cmdWrite, 0, 3, 8192, 4096, pattern(4096, 1)) // the first's bytes again
+	noSubmit(t, dev, mark)
+	dev.finish(orig, nil)
+	cs[0].recv(0)
+	dev.finish(submitted(t, dev, "a repeat after an answered overlap was answered without writing it"), nil)
+	cs[2].recv(0)
+}
