@@ -131,13 +131,7 @@ func (r *Request) Sent() {
 	// the watchdog may mark it stale until then, and the stale gate reads
 	// a stale write's payload until it is finished.
 	c.mu.Lock()
-	if r.stale {
-		c.exp.gate.finished(r)
-	}
-	if writeLike(r.cmd) {
-		c.exp.gate.wrote(r.Offset, r.Length, c.pool.dog.tick.Load())
-	}
-	r.state = reqReply
+	c.leftBackend(r)
 	c.mu.Unlock()
 	one := [1]*Request{r}
 	c.recycle(one[:])

@@ -92,13 +92,7 @@ func (c *conn) complete(r *Request) {
 		c.stats.done(r)
 	}
 	c.mu.Lock()
-	if r.stale {
-		c.exp.gate.finished(r)
-	}
-	if writeLike(r.cmd) {
-		c.exp.gate.wrote(r.Offset, r.Length, c.pool.dog.tick.Load())
-	}
-	r.state = reqReply
+	c.leftBackend(r)
 	c.done = append(c.done, r)
 	if r.cmd == cmdRead {
 		c.deferred += len(r.Data)
@@ -109,13 +103,10 @@ func (c *conn) complete(r *Request) {
 	c.mu.Unlock()
 }
 
-// completeDeferred queues r for a Batch without waking anyone; true
-// when the batch must remember c (the first since its last flush).
-func (c *conn) completeDeferred(r *Request) bool {
-	if c.stats != nil {
-		c.stats.done(r)
-	}
-	c.mu.Lock()
+// leftBackend records that r has left the backend (c.mu held): on the
+// stale gate, if it was stale there or writes (stale.go), and in its
+// state, so the watchdog marks it no more.
+func (c *conn) leftBackend(r *Request) {
 	if r.stale {
 		c.exp.gate.finished(r)
 	}
@@ -123,6 +114,16 @@ func (c *conn) completeDeferred(r *Request) bool {
 		c.exp.gate.wrote(r.Offset, r.Length, c.pool.dog.tick.Load())
 	}
 	r.state = reqReply
+}
+
+// completeDeferred queues r for a Batch without waking anyone; true
+// when the batch must remember c (the first since its last flush).
+func (c *conn) completeDeferred(r *Request) bool {
+	if c.stats != nil {
+		c.stats.done(r)
+	}
+	c.mu.Lock()
+	c.leftBackend(r)
 	c.done = append(c.done, r)
 	first := !c.batched
 	c.batched = true
