@@ -25,22 +25,23 @@ import (
 //
 // A held copy that repeats the stale request exactly (the same command,
 // range, flags and payload bytes: the kernel's retry of it, whose handle
-// may differ entirely, as the block layer may give a requeued request
-// another tag) is not submitted again: once the first copy succeeds, the
-// copy is answered with that. Writing the same bytes over the same range
-// twice is writing them once. An identical write that is not a retry is
-// concurrent with the first (which is not answered yet), but may have to
-// land after another write over the range that was answered meanwhile
-// and that the backend let overtake the first: so no repeat is answered
-// from a first copy once any write-like request over its range has left
-// the backend since the first copy was read (per 4 MiB bucket, by the
-// watchdog's tick: coarse, so only ever refusing too often). Executed again, every retry would add a whole
-// write to a backend already slower than the kernel's timer, and a chain
-// of copies each waiting for the last would never catch up; answered from
-// the first copy, the retry in flight when it completes gets its reply,
-// however slow the backend was. A failed first copy is retried for real.
+// may differ, as the block layer may give a requeued request another
+// tag) is not submitted again: once the first copy succeeds, the copy is
+// answered with that; a failed first copy is retried for real. Executed
+// again, every retry would add a whole write to a backend already slower
+// than the kernel's timer, and each copy would wait for the last, never
+// catching up; answered from the first copy, the retry in flight when it
+// completes gets its reply. An identical write that is not a retry is
+// concurrent with the first, but may have to land after another write
+// over the range answered meanwhile, which the backend may have let
+// overtake the first: so no repeat is answered from a first copy once a
+// write-like request over its range has left the backend since the first
+// was read (per 4 MiB bucket and watchdog tick: coarse, so it only ever
+// refuses too often).
 //
-// The fast path pays one atomic load per write while nothing is stale.
+// The fast path pays, while nothing is stale, one atomic load per write,
+// one store per write-like completion (wrote) and two per request read
+// (Request.payloadIn).
 type staleGate struct {
 	after time.Duration // Export.StaleAfter
 	n     atomic.Int32  // len(reqs), for the lock-free check
@@ -141,13 +142,13 @@ func (g *staleGate) finished(r *Request) {
 // command, range, flags and, for a WRITE, payload bytes (r's is whole),
 // with no write-like request over the range gone from the backend since
 // it was read.
-// The stale one's payload is read under g.mu before it is done: its
-// buffer is released only after finished, which takes g.mu.
+// The stale one's payload is read under g.mu while it is listed: its
+// buffer is released only after finished, which unlists it under g.mu.
 func (g *staleGate) dupOf(r *Request) *staleReq {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	for _, s := range g.reqs {
-		if s.r == r || s.done || !s.full || s.cmd != r.cmd || s.cflags != r.cflags ||
+		if s.r == r || !s.full || s.cmd != r.cmd || s.cflags != r.cflags ||
 			s.off != r.Offset || s.end != r.Offset+uint64(r.Length) || g.wroteSince(s.off, s.end, s.born) {
 			continue
 		}
