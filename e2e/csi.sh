@@ -2,8 +2,9 @@
 # CSI scenarios, run inside the VM (scripts/vm/vm.sh) as root:
 #   e2e/csi.sh [go] [dropin] [soak]    (default: all three)
 # go:     the Go tests of csi/conformance on real /dev/nbd, real mkfs and
-#         mounts: upstream csi-sanity v5.6.0 (whole suite, mount and
-#         block), a volume's life as Kubernetes plays it, Retain and a
+#         mounts: upstream csi-sanity v5.6.0 (its node and identity
+#         specs, mount and block; the host ran the controller half), a
+#         volume's life as Kubernetes plays it, Retain and a
 #         static volume, online expand of ext4 and xfs under fio verify,
 #         restart survival (SIGKILL and SIGTERM) and an upgrade's daemon
 #         handover (the plugins overlapping) under fio verify, bad

@@ -19,21 +19,20 @@
 # nodes, the suite skips itself, with its reason in the report.
 CONFORMANCE_SKIP='\[Disruptive\]|\[Feature:Windows\]|\[Feature:SELinux\]|\[Feature:SELinuxMountReadWriteOncePod'
 
-# The subset: one spec for each thing a user relies on most, on each
-# kind of volume (ext4 by default, xfs, raw block): data kept across
-# pods, restore from a snapshot, clone, online expansion, a single-pod
-# volume, a generic ephemeral volume, and a VolumeAttributesClass swapped
-# on a mapped volume.
+# The subset: the four Kubernetes paths a user relies on most that no
+# other make-test scenario drives through Kubernetes itself: data kept
+# across pods (ext4), a restore from a snapshot (the snapshot-controller
+# and the snapshotter sidecar), a clone of a raw block volume, and a
+# VolumeAttributesClass swapped on a mapped volume (the resizer's
+# ModifyVolume). A spec runs 4 to 10 minutes in TCG, and the box's speed
+# varies about four-fold, so make test keeps to these; the other specs
+# (xfs and block data, snapshot fields, expansion, ReadWriteOncePod, a
+# generic ephemeral volume) run in make e2e-k8s-conformance, and their
+# driver paths in e2e-csi on real /dev/nbd.
 CONFORMANCE_SUBSET=(
 	'\[Testpattern: Dynamic PV \(default fs\)\] volumes should store data'
-	'\[Testpattern: Dynamic PV \(xfs\)\] \[Slow\] volumes should store data'
-	'\[Testpattern: Dynamic PV \(block volmode\)\] volumes should store data'
 	'\[Testpattern: Dynamic PV \(default fs\)\] provisioning should provision storage with snapshot data source \[Feature'
 	'\[Testpattern: Dynamic PV \(block volmode\)\] provisioning should provision storage with pvc data source$'
-	'\[Testpattern: Dynamic Snapshot \(delete policy\)\] snapshottable.*after modifying source data'
-	'\[Testpattern: Dynamic PV \(default fs\)\(allowExpansion\)\] volume-expand should resize volume when PVC is edited while pod is using it'
-	'\[Testpattern: Dynamic PV \(default fs\)\] read-write-once-pod should block a second pod'
-	'\[Testpattern: Generic Ephemeral-volume \(default fs\) \(immediate-binding\)\] ephemeral should create read/write inline ephemeral volume'
 	'\[Testpattern: Dynamic PV \(block volmode\)\] volume-modify.*should modify volume that already has a VAC'
 )
 
@@ -104,10 +103,11 @@ left_behind() {
 scenario_conformance() {
 	local focus
 	focus=$(IFS='|'; echo "${CONFORMANCE_SUBSET[*]}")
-	# 7.4 minutes in TCG on one machine, 20 and 28 on slower ones
-	# (2026-11-27); the bound only caps a hang, inside make test's VM
-	# timeout (a device that hangs ends the VM sooner: e2e/lib.sh).
-	check "Kubernetes' storage tests, the subset: ${#CONFORMANCE_SUBSET[@]} specs pass" conformance_run subset "$focus" 3 2400
+	# Four specs, three at a time: the longest is about 10 minutes on a
+	# slow day (bench/reference/conformance). The bound only caps a hang,
+	# inside make test's VM timeout (a device that hangs ends the VM
+	# sooner: e2e/lib.sh).
+	check "Kubernetes' storage tests, the subset: ${#CONFORMANCE_SUBSET[@]} specs pass" conformance_run subset "$focus" 3 1800
 	check "nothing left behind: no image, trash entry or mapped device" left_behind 300
 }
 scenario_conformance-all() {
