@@ -71,11 +71,13 @@ func TestChaosSoak(t *testing.T) {
 	rng := rand.New(rand.NewSource(seed))
 
 	s := &soak{t: t}
+	tUp := time.Now()
 	s.up()
 	for _, l := range s.loads {
 		l.start()
 	}
 	t0 := time.Now()
+	t.Logf("soak: %d volumes up in %s", len(s.vols), t0.Sub(tUp).Round(100*time.Millisecond))
 	var faults []fault
 	kinds := []string{fDaemonKill, fPodKill, fUpgrade, fStop, fOSDKill, fUnreachable}
 	var deck []string
@@ -117,6 +119,8 @@ func TestChaosSoak(t *testing.T) {
 	for _, l := range s.loads {
 		l.finish()
 	}
+	// A pass under way runs to its end: its verify covers the last fault.
+	t.Logf("soak: loads ended their passes in %s", time.Since(end).Round(100*time.Millisecond))
 	for i := range faults {
 		faults[i].end = end
 		if i+1 < len(faults) {
@@ -147,7 +151,9 @@ func TestChaosSoak(t *testing.T) {
 	if out := os.Getenv("RBD_NBD_GO_SOAK_REPORT"); out != "" {
 		os.WriteFile(out, []byte(rep), 0o644)
 	}
+	tDown := time.Now()
 	s.down()
+	t.Logf("soak: torn down and checked in %s", time.Since(tDown).Round(100*time.Millisecond))
 }
 
 // up starts the plugin and brings eight volumes to a pod: three ext4,
