@@ -246,22 +246,26 @@ func slowestIn(slowest map[int64]completion, from, to time.Time) (time.Duration,
 	return m.took, m.at
 }
 
-func (l *load) waitedAfter(from, to time.Time) time.Duration {
+func (l *load) waitedAfter(from, to, begunBy time.Time) time.Duration {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return waitedAfter(l.slowest, from, to)
+	return waitedAfter(l.slowest, from, to, begunBy)
 }
 
-// waitedAfter is the longest any I/O completing in [from, to) waited
-// after from: its time, less the part it had already waited when the
-// fault came. A write that began 10 s before a kill and completed 6 s
-// after it waited 6 s for the fault; its 16 s are the stall before.
-// (fio logs the slowest completion of each second, stamped at the
-// second's end: the wait is at most 1 s over.)
-func waitedAfter(slowest map[int64]completion, from, to time.Time) time.Duration {
+// waitedAfter is the longest any I/O completing in [from, to) and begun
+// by begunBy waited after from: its time, less the part it had already
+// waited when the fault came. A write that began 10 s before a kill and
+// completed 6 s after it waited 6 s for the fault; its 16 s are the
+// stall before. One begun after the fault had recovered (begunBy) waited
+// on the machine, not on the fault: a slow spell a minute after an
+// upgrade is the floor's. (fio logs the slowest completion of each
+// second, stamped at the second's end: the wait is at most 1 s over,
+// and an I/O counts if it may have begun by begunBy. The slowest of a
+// second began first, so it alone decides.)
+func waitedAfter(slowest map[int64]completion, from, to, begunBy time.Time) time.Duration {
 	var m time.Duration
 	for s, c := range slowest {
-		if s >= from.Unix() && s < to.Unix() {
+		if s >= from.Unix() && s < to.Unix() && !c.at.Add(-c.took-time.Second).After(begunBy) {
 			m = max(m, min(c.took, c.at.Sub(from)))
 		}
 	}
@@ -345,7 +349,7 @@ func report(seed int64, took time.Duration, vols []string, faults []fault, loads
 		fmt.Fprintf(&b, "\nHandovers: the kernel's sockets went unread for at most %s (the new daemon's reads_paused_for: from the old one's last new read to every device read again), the handover's own share of an upgrade's stall; the rest is the floor and the new pod's start.\n",
 			p.Round(10*time.Millisecond))
 	}
-	b.WriteString("\nThe stall is the slowest I/O completion (fio's per-second maximum, or one append+fsync) on any volume between the fault and the next one; where says which volume, and when it completed, from the fault's start. The wait after the fault counts only the part of each I/O after the fault began (to 1 s: fio logs each second's slowest): a request already slow before the fault is not charged to it in full.\n")
+	b.WriteString("\nThe stall is the slowest I/O completion (fio's per-second maximum, or one append+fsync) on any volume between the fault and the next one; where says which volume, and when it completed, from the fault's start. The wait after the fault counts only the part of each I/O after the fault began, and only I/O begun before the fault had recovered (both to 1 s: fio logs each second's slowest): a request already slow before the fault is not charged to it in full, nor one begun after it recovered, which waited on the machine.\n")
 	return b.String()
 }
 

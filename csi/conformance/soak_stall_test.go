@@ -22,15 +22,19 @@ func TestWaitedAfter(t *testing.T) {
 	put(2, 0.1)    // quick, after it
 	put(6.3, 16.3) // began 10 s before the fault, done 6.3 s after it
 	put(9, 9.5)    // in flight when the fault came (0.5 s old), done 9 s after
+	put(25, 12)    // begun at +13 s, after the fault recovered (+10 s)
 	put(40, 30)    // the next fault's: out of this window
-	from, to := at(0), at(30)
+	from, to, recovered := at(0), at(30), at(10)
 	if d, when := slowestIn(slowest, from, to); d != 16300*time.Millisecond || !when.Equal(at(6.3)) {
 		t.Errorf("slowest in the window: %s at %s, want 16.3s at +6.3s", d, when.Sub(t0))
 	}
-	if w := waitedAfter(slowest, from, to); w != 9*time.Second {
-		t.Errorf("waited after the fault: %s, want 9s (the request in flight; the early one only 6.3s)", w)
+	if w := waitedAfter(slowest, from, to, recovered); w != 9*time.Second {
+		t.Errorf("waited after the fault: %s, want 9s (the request in flight; the early one only 6.3s, the late one not the fault's)", w)
 	}
-	if w := waitedAfter(slowest, at(31), at(35)); w != 0 {
+	if w := waitedAfter(slowest, from, to, at(12.5)); w != 12*time.Second {
+		t.Errorf("waited after the fault: %s, want 12s (the late one may have begun within a second of the recovery)", w)
+	}
+	if w := waitedAfter(slowest, at(31), at(35), at(35)); w != 0 {
 		t.Errorf("an empty window waited %s", w)
 	}
 }

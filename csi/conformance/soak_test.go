@@ -131,7 +131,8 @@ func TestChaosSoak(t *testing.T) {
 				faults[i].stall = d
 				faults[i].where = fmt.Sprintf("%s, +%s", l.name, at.Sub(faults[i].start).Round(time.Second))
 			}
-			faults[i].waited = max(faults[i].waited, l.waitedAfter(faults[i].start, faults[i].end))
+			faults[i].waited = max(faults[i].waited, l.waitedAfter(faults[i].start, faults[i].end,
+				faults[i].start.Add(faults[i].recovered)))
 		}
 	}
 	// The floor every stall stands on: the slowest completion with no
