@@ -382,6 +382,15 @@ scenario_f() {
 	log "    rollout restart (overlapping pods): longest I/O $s_roll ms, $s_hand ms around the handover ($((${h1:-0} - ${h0:-0})) ms in the daemons, sockets unread ${paused:-?}); rollout done after $ready_roll ms"
 	log "    kill -9 of plugin and daemon: longest I/O $s_kill ms, $((s_kill - restart_kill)) ms of it after the kubelet restarted the container ($restart_kill ms after the kill); plugin Ready after $ready_kill ms"
 	log "    pod delete (SIGTERM, no overlap): longest I/O $s_term ms; plugin Ready after $ready_term ms"
+	# The new daemon's start after the kill -9, ms from the kill: where
+	# its part of the stall went (fencing, reattach, serving).
+	log "    after the kill -9, the daemon's log (ms from the kill):"
+	grep -aE 'msg="(serving NBD devices|the previous daemon did not stop|no handover|fenced the previous|attached|replaced a dead connection)' \
+		/run/rbd-nbd-go/daemon.log | while IFS= read -r l; do
+		t=$(date -d "$(sed -n 's/^time=\([^ ]*\) .*/\1/p' <<<"$l")" +%s%3N 2>/dev/null) || continue
+		[ "$t" -ge "$t_kill" ] && [ "$t" -lt "$t_term" ] && log "      +$((t - t_kill)) $(cut -d' ' -f3- <<<"$l" | cut -c1-160)"
+	done
+	[ -n "$E2E_OUT" ] && cp /run/rbd-nbd-go/daemon.log "$E2E_OUT/f-daemon.log" 2>/dev/null
 	# Twice the targets: timings are not asserted tighter in tests.
 	check "the app logged its latencies" eval "grep -qE 'logged=[0-9]{3,}' $work/msg"
 	# Bounds for TCG. Kill and delete: twice the target (10 s); the kill's
