@@ -306,12 +306,14 @@ stall_after() {
 		/^[0-9]+:[0-9]+$/ {if ($1 >= from && $1 < to && $2 > m) m = $2}
 		END {printf "%.0f", m}'
 }
-# log_ms PATTERN: epoch ms of the last daemon.log line matching PATTERN
-log_ms() {
+# line_ms LINE: epoch ms of a daemon.log line (slog's time=...)
+line_ms() {
 	local t
-	t=$(grep -a -- "$1" /run/rbd-nbd-go/daemon.log | tail -1 | sed -n 's/^time=\([^ ]*\) .*/\1/p')
+	t=$(sed -n 's/^time=\([^ ]*\) .*/\1/p' <<<"$1")
 	[ -n "$t" ] && date -d "$t" +%s%3N
 }
+# log_ms PATTERN: epoch ms of the last daemon.log line matching PATTERN
+log_ms() { line_ms "$(grep -a -- "$1" /run/rbd-nbd-go/daemon.log | tail -1)"; }
 scenario_f() {
 	local np pids t_roll t_kill t_term ready_roll ready_kill ready_term restart_kill s_roll s_kill s_term s_hand h0 h1 paused
 	pvc f 512Mi rbd-nbd-go-ext4
@@ -382,12 +384,11 @@ scenario_f() {
 	log "    rollout restart (overlapping pods): longest I/O $s_roll ms, $s_hand ms around the handover ($((${h1:-0} - ${h0:-0})) ms in the daemons, sockets unread ${paused:-?}); rollout done after $ready_roll ms"
 	log "    kill -9 of plugin and daemon: longest I/O $s_kill ms, $((s_kill - restart_kill)) ms of it after the kubelet restarted the container ($restart_kill ms after the kill); plugin Ready after $ready_kill ms"
 	log "    pod delete (SIGTERM, no overlap): longest I/O $s_term ms; plugin Ready after $ready_term ms"
-	# The new daemon's start after the kill -9, ms from the kill: where
-	# its part of the stall went (fencing, reattach, serving).
+	# Where the new daemon's part of the kill -9's stall went.
 	log "    after the kill -9, the daemon's log (ms from the kill):"
 	grep -aE 'msg="(serving NBD devices|the previous daemon did not stop|no handover|fenced the previous|attached|replaced a dead connection)' \
 		/run/rbd-nbd-go/daemon.log | while IFS= read -r l; do
-		t=$(date -d "$(sed -n 's/^time=\([^ ]*\) .*/\1/p' <<<"$l")" +%s%3N 2>/dev/null) || continue
+		t=$(line_ms "$l") || continue
 		[ "$t" -ge "$t_kill" ] && [ "$t" -lt "$t_term" ] && log "      +$((t - t_kill)) $(cut -d' ' -f3- <<<"$l" | cut -c1-160)"
 	done
 	[ -n "$E2E_OUT" ] && cp /run/rbd-nbd-go/daemon.log "$E2E_OUT/f-daemon.log" 2>/dev/null
