@@ -59,6 +59,12 @@ func TestHelperHoldLock(t *testing.T) {
 // killedOwner starts a child holding spec's exclusive lock, kills it
 // with SIGKILL and returns the addresses of its RADOS session.
 func killedOwner(t *testing.T, spec ceph.ImageSpec) []string {
+	return lockOwner(t, spec)()
+}
+
+// lockOwner starts a child holding spec's exclusive lock; kill kills it
+// with SIGKILL and returns the addresses of its RADOS session.
+func lockOwner(t *testing.T, spec ceph.ImageSpec) (kill func() []string) {
 	cmd := exec.Command(os.Args[0], "-test.run", "^TestHelperHoldLock$", "-test.v")
 	cmd.Env = append(cluster.Env(), holdLockEnv+"="+spec.String())
 	cmd.Stderr = os.Stderr
@@ -80,12 +86,40 @@ func killedOwner(t *testing.T, spec ceph.ImageSpec) []string {
 			break
 		}
 	}
-	cmd.Process.Signal(syscall.SIGKILL)
-	cmd.Wait()
-	if len(addrs) == 0 {
-		t.Fatal("the lock holder did not report its session")
+	t.Cleanup(func() { cmd.Process.Kill() })
+	return func() []string {
+		cmd.Process.Signal(syscall.SIGKILL)
+		cmd.Wait()
+		if len(addrs) == 0 {
+			t.Fatal("the lock holder did not report its session")
+		}
+		return addrs
 	}
-	return addrs
+}
+
+// A daemon taking devices over opens their images ahead (Deferred) and,
+// when the old daemon dies instead of handing over, closes them before
+// reattaching. librbd takes the exclusive lock to flush, and would wait
+// out the killed owner's watch (30 s) with every device still stalled:
+// an unactivated image must flush and close at once.
+func TestDeferredImageClosesAtOnceAfterOwnerKilled(t *testing.T) {
+	spec := newImage(t, "8M")
+	kill := lockOwner(t, spec)
+	im, err := Open(NewClusters(), opts(), spec, OpenOptions{Exclusive: true, Deferred: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	kill()
+	t0 := time.Now()
+	if err := nbd.Flush(im); err != nil {
+		t.Errorf("flush: %v", err)
+	}
+	if err := im.Close(); err != nil {
+		t.Errorf("close: %v", err)
+	}
+	if took := time.Since(t0); took > 10*time.Second {
+		t.Errorf("flush and close took %s: they waited for the dead owner's lock", took.Round(time.Millisecond))
+	}
 }
 
 func TestFencedOwnersLockBreaksAtOnce(t *testing.T) {

@@ -89,8 +89,9 @@ type Image struct {
 	release func() // cluster connection reference and ioctx
 
 	quiesce *quiescer
-	// What Activate does for a Deferred open.
-	deferred  bool
+	// What Activate does for a Deferred open. deferred stays set until
+	// Activate: Submit reads it (a flush before it has nothing to do).
+	deferred  atomic.Bool
 	exclusive bool
 	onQuiesce func(bool) error
 
@@ -185,7 +186,8 @@ func (im *Image) start(oo OpenOptions) error {
 	if im.watchHandle, err = im.img.updateWatch(im.wfd); err != nil {
 		return fmt.Errorf("image %s: update watch: %w", im.spec, err)
 	}
-	im.deferred, im.exclusive, im.onQuiesce = oo.Deferred, oo.Exclusive, oo.OnQuiesce
+	im.exclusive, im.onQuiesce = oo.Exclusive, oo.OnQuiesce
+	im.deferred.Store(oo.Deferred)
 	if oo.OnQuiesce != nil && !oo.Deferred {
 		if im.quiesce, err = startQuiesce(im.img, im.spec, oo.OnQuiesce); err != nil {
 			im.img.updateUnwatch(im.watchHandle)
@@ -203,7 +205,7 @@ func (im *Image) start(oo OpenOptions) error {
 // for any other open. After an error it may be called again, or the
 // image closed.
 func (im *Image) Activate() error {
-	if !im.deferred {
+	if !im.deferred.Load() {
 		return nil
 	}
 	if im.exclusive {
@@ -218,7 +220,7 @@ func (im *Image) Activate() error {
 		}
 		im.quiesce = q
 	}
-	im.deferred = false
+	im.deferred.Store(false)
 	return nil
 }
 
@@ -257,6 +259,14 @@ func (im *Image) Submit(r *nbd.Request) {
 	writes := r.Op == nbd.OpWrite || r.Op == nbd.OpTrim || r.Op == nbd.OpWriteZeroes
 	if im.readOnly && writes {
 		r.Complete(nbd.ErrPerm)
+		return
+	}
+	if r.Op == nbd.OpFlush && im.deferred.Load() {
+		// Nothing is written before Activate, so there is nothing to
+		// make durable; and librbd would first take the exclusive lock,
+		// waiting out a killed owner's watch (30 s) when a handover
+		// falls through and its opened-ahead images are closed.
+		r.Complete(nil)
 		return
 	}
 	if size := im.size.Load(); r.Op != nbd.OpFlush && (r.Offset > size || uint64(r.Length) > size-r.Offset) {
