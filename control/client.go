@@ -147,11 +147,14 @@ func (c *Client) Instance(ctx context.Context) (string, error) {
 // WaitTakenOver waits, until ctx ends, for the daemon instance to stop
 // answering: taken over by a newer daemon, or gone. A node plugin being
 // stopped calls it: its daemon dies with its pod, and in an upgrade the
-// new pod's daemon may not have taken the devices over yet.
+// new pod's daemon may not have taken the devices over yet. Only a
+// socket nobody listens on counts as gone: a call that fails otherwise
+// (a busy daemon, a slow node) must not end the wait early and take the
+// devices' server down while a new daemon is coming.
 func (c *Client) WaitTakenOver(ctx context.Context, instance string) error {
 	for {
 		cur, err := c.Instance(ctx)
-		if err != nil || cur != instance {
+		if err == nil && cur != instance || err != nil && absent(err) {
 			return nil
 		}
 		select {

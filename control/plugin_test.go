@@ -72,6 +72,35 @@ func TestReleaseWaitsForTakeOver(t *testing.T) {
 	}
 }
 
+// TestReleaseWaitsThroughFailedCalls: a daemon that takes calls but
+// does not answer them is not gone; the wait goes on to its end.
+func TestReleaseWaitsThroughFailedCalls(t *testing.T) {
+	dir := t.TempDir()
+	l, err := net.Listen("unix", SocketPath(dir))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			c.Close()
+		}
+	}()
+	p := &PluginDaemon{c: &Client{StateDir: dir}}
+	p.mine.Store("old")
+	t0 := time.Now()
+	if p.Release(500 * time.Millisecond) {
+		t.Fatal("a daemon that failed a call counted as taken over")
+	}
+	if d := time.Since(t0); d < 500*time.Millisecond {
+		t.Fatalf("gave up after %s, before the wait", d)
+	}
+}
+
 // TestLockFree: a daemon that died leaves its lock free; one that runs,
 // or one about to make the file, does not.
 func TestLockFree(t *testing.T) {

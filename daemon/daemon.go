@@ -183,14 +183,17 @@ func ownState(cfg Config, m *attach.Manager, log *slog.Logger) (lock *os.File, t
 		log.Info("images opened ahead of the handover", "devices", len(recs), "took", time.Since(t0).Round(time.Millisecond))
 	}
 	if tk, err = take(cfg.StateDir, log); err != nil {
+		t0 := time.Now()
 		prep.Close()
+		closed := time.Since(t0).Round(time.Millisecond)
 		// The running daemon may be dying (its pod stopped before we
 		// asked): then its lock is free in a moment, and this daemon
 		// starts as after any restart.
 		for range 20 {
 			time.Sleep(100 * time.Millisecond)
 			if lock, lerr := lockState(cfg.StateDir); lerr != nil || lock != nil {
-				log.Warn("no handover: the previous daemon is gone; reattaching", "err", err)
+				log.Warn("no handover: the previous daemon is gone; reattaching", "err", err,
+					"closed_opened_ahead", closed, "waited", time.Since(t0).Round(time.Millisecond))
 				return lock, nil, lerr
 			}
 		}
