@@ -517,22 +517,6 @@ scenario_h() {
 }
 
 # --- i: a QoS limit changed live, under fio
-fio_rate() { # fio_rate POD FROM_MS: write IOPS of POD's fio (terse status lines, cumulative) from its runtime FROM_MS to the last line; and that runtime
-	awk -F';' -v from="$2" '/ F 3;fio-/ && $50 > 0 {
-			if (!t0 && $50 >= from) { t0 = $50; k0 = $47 }
-			t = $50; k = $47
-		}
-		END { if (t0 && t > t0) printf "%.1f %d\n", (k - k0) / 4 / ((t - t0) / 1000), t; else print "0 " t + 0 }' \
-		/var/log/pods/default_"$1"_*/app/*.log 2>/dev/null
-}
-fio_at() { # fio_at POD MS: until fio in POD has run MS
-	k8s_wait 300 "fio ran $2 ms" eval "[ \$(fio_rate $1 0 | cut -d' ' -f2) -ge $2 ]" ||
-		{ echo "fio at $(fio_rate "$1" 0 | cut -d' ' -f2) ms" >"$work/why"; return 1; }
-}
-within() { # within RATE LIMIT LOW HIGH: RATE is LOW to HIGH % of LIMIT
-	awk -v r="$1" -v l="$2" -v lo="$3" -v hi="$4" 'BEGIN {exit !(r >= l * lo / 100 && r <= l * hi / 100)}' ||
-		{ echo "$1 IOPS, limit $2" >"$work/why"; return 1; }
-}
 scenario_i() {
 	local pv img devs t r1 r2 t0 dt ex=$root/deploy/kubernetes/examples/volumeattributesclass.yaml
 	# The examples' silver and gold, but at 40 and 80 write IOPS: this
@@ -600,6 +584,7 @@ current=deploy scenario_failed=0
 run_scenario deploy deploy
 if [ $fails -eq 0 ]; then
 	for s in "$@"; do run_scenario "$s" "scenario_$s"; done
+	run_scenario rbac scenario_rbac # last: every sidecar's informers have started
 fi
 if [ $fails -ne 0 ]; then
 	timeout 60 kubectl get pods -A -o wide --request-timeout=30s 2>&1 | tail -20

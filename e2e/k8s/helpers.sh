@@ -111,3 +111,29 @@ metrics_rate() { # metrics_rate IP IMAGE: the daemon's metrics show IMAGE writte
 	log "    the node's device metrics: $2 written $(((b - a) * 1000 / ms)) times a second ($a, then $b, $ms ms apart at most)"
 	[ $((b - a)) -gt 40 ] || { echo "writes of $2: $a, then $b 4 s later" >"$work/why"; return 1; }
 }
+
+# Scenario i's fio readings.
+fio_rate() { # fio_rate POD FROM_MS: write IOPS of POD's fio (terse status lines, cumulative) from its runtime FROM_MS to the last line; and that runtime
+	awk -F';' -v from="$2" '/ F 3;fio-/ && $50 > 0 {
+			if (!t0 && $50 >= from) { t0 = $50; k0 = $47 }
+			t = $50; k = $47
+		}
+		END { if (t0 && t > t0) printf "%.1f %d\n", (k - k0) / 4 / ((t - t0) / 1000), t; else print "0 " t + 0 }' \
+		/var/log/pods/default_"$1"_*/app/*.log 2>/dev/null
+}
+fio_at() { # fio_at POD MS: until fio in POD has run MS
+	k8s_wait 300 "fio ran $2 ms" eval "[ \$(fio_rate $1 0 | cut -d' ' -f2) -ge $2 ]" ||
+		{ echo "fio at $(fio_rate "$1" 0 | cut -d' ' -f2) ms" >"$work/why"; return 1; }
+}
+within() { # within RATE LIMIT LOW HIGH: RATE is LOW to HIGH % of LIMIT
+	awk -v r="$1" -v l="$2" -v lo="$3" -v hi="$4" 'BEGIN {exit !(r >= l * lo / 100 && r <= l * hi / 100)}' ||
+		{ echo "$1 IOPS, limit $2" >"$work/why"; return 1; }
+}
+scenario_rbac() { check "no component was refused by RBAC (no 'forbidden' in their logs)" rbac_clean; }
+rbac_clean() { # the driver's pods logged no request RBAC forbade
+	local o
+	for o in deploy/rbd-nbd-go-controller deploy/rbd-nbd-go-snapshot-controller ds/rbd-nbd-go-node; do
+		kubectl -n $NS logs $o --all-containers --request-timeout=60s 2>&1
+	done | grep -m3 -i forbidden >"$work/why" && return 1
+	: >"$work/why"
+}
