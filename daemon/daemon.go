@@ -71,6 +71,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
+	logStart(log)
 	ready := cfg.Ready
 	if ready == nil {
 		ready = nopCloser{io.Discard}

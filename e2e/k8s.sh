@@ -386,7 +386,7 @@ scenario_f() {
 	log "    pod delete (SIGTERM, no overlap): longest I/O $s_term ms; plugin Ready after $ready_term ms"
 	# Where the new daemon's part of the kill -9's stall went.
 	log "    after the kill -9, the daemon's log (ms from the kill):"
-	grep -aE 'msg="(serving NBD devices|the previous daemon did not stop|no handover|fenced the previous|attached|replaced a dead connection)' \
+	grep -aE 'msg="(daemon starting|serving NBD devices|the previous daemon did not stop|no handover|fenced the previous|attached|replaced a dead connection)' \
 		/run/rbd-nbd-go/daemon.log | while IFS= read -r l; do
 		t=$(line_ms "$l") || continue
 		[ "$t" -ge "$t_kill" ] && [ "$t" -lt "$t_term" ] && log "      +$((t - t_kill)) $(cut -d' ' -f3- <<<"$l" | cut -c1-160)"
