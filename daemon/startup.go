@@ -18,17 +18,19 @@ const userHZ = 100
 // a slow node each can take seconds, and these two figures tell which.
 func logStart(log *slog.Logger) {
 	attrs := []any{"pid", os.Getpid()}
-	if age, ok := procAge(os.Getpid()); ok {
+	if age, ok := ProcessAge(os.Getpid()); ok {
 		attrs = append(attrs, "exec_ago", age.Round(time.Millisecond))
 	}
-	if age, ok := procAge(os.Getppid()); ok {
+	if age, ok := ProcessAge(os.Getppid()); ok {
 		attrs = append(attrs, "parent_pid", os.Getppid(), "parent_exec_ago", age.Round(time.Millisecond))
 	}
 	log.Info("daemon starting", attrs...)
 }
 
-// procAge is how long ago pid was started, to the clock tick.
-func procAge(pid int) (time.Duration, bool) {
+// ProcessAge is how long ago pid was started, to the clock tick. The
+// node plugin logs its own too: its start is the first part of the wait
+// after a kill -9.
+func ProcessAge(pid int) (time.Duration, bool) {
 	start, err := procStart(pid)
 	if err != nil {
 		return 0, false

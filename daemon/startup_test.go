@@ -6,17 +6,17 @@ import (
 	"time"
 )
 
-// TestProcAge: this test process started before now, and not long ago;
+// TestProcessAge: this test process started before now, and not long ago;
 // init (pid 1) started before it.
-func TestProcAge(t *testing.T) {
-	self, ok := procAge(os.Getpid())
+func TestProcessAge(t *testing.T) {
+	self, ok := ProcessAge(os.Getpid())
 	if !ok || self < 0 || self > time.Hour {
 		t.Fatalf("our own age: %s, %v", self, ok)
 	}
-	if initAge, ok := procAge(1); ok && initAge < self {
+	if initAge, ok := ProcessAge(1); ok && initAge < self {
 		t.Fatalf("pid 1 is %s old, younger than us (%s)", initAge, self)
 	}
-	if _, ok := procAge(-1); ok {
+	if _, ok := ProcessAge(-1); ok {
 		t.Fatal("an age for no process")
 	}
 }

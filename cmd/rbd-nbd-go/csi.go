@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"os"
 	"os/signal"
 	"syscall"
 	"time"
@@ -19,6 +20,7 @@ import (
 	"github.com/rbd-nbd-go/rbd-nbd-go/csi"
 	"github.com/rbd-nbd-go/rbd-nbd-go/csi/k8snodes"
 	"github.com/rbd-nbd-go/rbd-nbd-go/csi/kubelet"
+	"github.com/rbd-nbd-go/rbd-nbd-go/daemon"
 	"github.com/rbd-nbd-go/rbd-nbd-go/internal/pidlimit"
 	"github.com/rbd-nbd-go/rbd-nbd-go/internal/profiling"
 	"github.com/rbd-nbd-go/rbd-nbd-go/metrics"
@@ -169,6 +171,9 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 		// A daemon already running belongs to the plugin pod this one
 		// replaces (an upgrade with the pods overlapping): take its
 		// devices over, so they never see a dead connection.
+		if age, ok := daemon.ProcessAge(os.Getpid()); ok {
+			log.Info("starting the node daemon", "plugin_exec_ago", age.Round(time.Millisecond))
+		}
 		sctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
 		pd, err := c.StartForPlugin(sctx)
 		if err != nil {
