@@ -89,8 +89,7 @@ type Image struct {
 	release func() // cluster connection reference and ioctx
 
 	quiesce *quiescer
-	// What Activate does for a Deferred open. deferred stays set until
-	// Activate: Submit reads it (a flush before it has nothing to do).
+	// What Activate does for a Deferred open (Submit reads deferred).
 	deferred  atomic.Bool
 	exclusive bool
 	onQuiesce func(bool) error
@@ -262,10 +261,8 @@ func (im *Image) Submit(r *nbd.Request) {
 		return
 	}
 	if r.Op == nbd.OpFlush && im.deferred.Load() {
-		// Nothing is written before Activate, so there is nothing to
-		// make durable; and librbd would first take the exclusive lock,
-		// waiting out a killed owner's watch (30 s) when a handover
-		// falls through and its opened-ahead images are closed.
+		// Nothing was written before Activate; librbd would take the
+		// lock to flush, waiting out a killed owner's watch (30 s).
 		r.Complete(nil)
 		return
 	}
