@@ -13,16 +13,18 @@ import (
 const userHZ = 100
 
 // logStart says how long ago this process and the one that started it
-// (the node plugin, when it is the parent) were exec'd. After a kill -9
+// (the node plugin, when it is the parent) were created. After a kill -9
 // the devices wait on the new plugin's start, then on the daemon's; on
 // a slow node each can take seconds, and these two figures tell which.
+// (A container's first process is created by runc, before its set-up
+// and exec: its age holds those too.)
 func logStart(log *slog.Logger) {
 	attrs := []any{"pid", os.Getpid()}
 	if age, ok := ProcessAge(os.Getpid()); ok {
-		attrs = append(attrs, "exec_ago", age.Round(time.Millisecond))
+		attrs = append(attrs, "started_ago", age.Round(time.Millisecond))
 	}
 	if age, ok := ProcessAge(os.Getppid()); ok {
-		attrs = append(attrs, "parent_pid", os.Getppid(), "parent_exec_ago", age.Round(time.Millisecond))
+		attrs = append(attrs, "parent_pid", os.Getppid(), "parent_started_ago", age.Round(time.Millisecond))
 	}
 	log.Info("daemon starting", attrs...)
 }

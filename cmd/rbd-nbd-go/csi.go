@@ -129,6 +129,11 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 		level = "info"
 	}
 	log := logger(level)
+	if age, ok := daemon.ProcessAge(os.Getpid()); ok {
+		// With "starting the node daemon" below: where a restart's wait
+		// goes, before main (container set-up, exec) or after it.
+		log.Info("plugin starting", "plugin_started_ago", age.Round(time.Millisecond))
+	}
 	klog.SetSlogLogger(log) // mount-utils logs through klog
 	if path, err := (pidlimit.Cgroup{}).Set(o.pidLimit); err != nil {
 		return err
@@ -172,7 +177,7 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 		// replaces (an upgrade with the pods overlapping): take its
 		// devices over, so they never see a dead connection.
 		if age, ok := daemon.ProcessAge(os.Getpid()); ok {
-			log.Info("starting the node daemon", "plugin_exec_ago", age.Round(time.Millisecond))
+			log.Info("starting the node daemon", "plugin_started_ago", age.Round(time.Millisecond))
 		}
 		sctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
 		pd, err := c.StartForPlugin(sctx)
