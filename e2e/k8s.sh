@@ -315,7 +315,7 @@ line_ms() {
 # log_ms PATTERN: epoch ms of the last daemon.log line matching PATTERN
 log_ms() { line_ms "$(grep -a -- "$1" /run/rbd-nbd-go/daemon.log | tail -1)"; }
 scenario_f() {
-	local np pids plugin_start l t t_roll t_kill t_term ready_roll ready_kill ready_term restart_kill s_roll s_kill s_term s_hand h0 h1 paused
+	local np pids plugin_start t t_roll t_kill t_term ready_roll ready_kill ready_term restart_kill s_roll s_kill s_term s_hand h0 h1 paused
 	pvc f 512Mi rbd-nbd-go-ext4
 	check "PVC Bound" wait_jp 300 pvc f '{.status.phase}' '^Bound$'
 	# fio verify (libaio QD16) plus a 4k write+fdatasync loop; the
@@ -368,8 +368,8 @@ scenario_f() {
 	# container) takes about 10 s, where a real node takes one or two.
 	restart_kill=$(jp pod "$NS/$np" '{.status.containerStatuses[?(@.name=="rbd-nbd-go")].state.running.startedAt}')
 	restart_kill=$(($(date -d "$restart_kill" +%s 2>/dev/null || echo 0) * 1000 - t_kill))
-	# The restarted plugin's line as it starts the daemon (its own age).
-	plugin_start=$(kubectl -n $NS logs "$np" -c rbd-nbd-go 2>/dev/null | grep -aE 'msg="(plugin starting|starting the node daemon)"' | tail -2)
+	# The restarted plugin's first line (its own age at main).
+	plugin_start=$(kubectl -n $NS logs "$np" -c rbd-nbd-go 2>/dev/null | grep -a 'msg="plugin starting"' | tail -1)
 	sleep 10
 	# 3. SIGTERM with no overlap: the pod deleted, its successor after.
 	t_term=$(date +%s%3N)
@@ -388,9 +388,7 @@ scenario_f() {
 	log "    pod delete (SIGTERM, no overlap): longest I/O $s_term ms; plugin Ready after $ready_term ms"
 	# Where the new daemon's part of the kill -9's stall went.
 	log "    after the kill -9, the plugin's and the daemon's logs (ms from the kill):"
-	while IFS= read -r l; do
-		t=$(line_ms "$l") && log "      +$((t - t_kill)) plugin: $(cut -d' ' -f3- <<<"$l" | cut -c1-160)"
-	done <<<"$plugin_start"
+	t=$(line_ms "$plugin_start") && log "      +$((t - t_kill)) plugin: $(cut -d' ' -f3- <<<"$plugin_start" | cut -c1-160)"
 	grep -aE 'msg="(daemon starting|serving NBD devices|the previous daemon did not stop|no handover|fenced the previous|attached|replaced a dead connection)' \
 		/run/rbd-nbd-go/daemon.log | while IFS= read -r l; do
 		t=$(line_ms "$l") || continue

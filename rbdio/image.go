@@ -261,8 +261,7 @@ func (im *Image) Submit(r *nbd.Request) {
 		return
 	}
 	if r.Op == nbd.OpFlush && im.deferred.Load() {
-		// Nothing was written before Activate; librbd would take the
-		// lock to flush, waiting out a killed owner's watch (30 s).
+		// Nothing written before Activate; librbd's flush would wait for the lock.
 		r.Complete(nil)
 		return
 	}

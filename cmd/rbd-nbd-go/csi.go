@@ -130,8 +130,8 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 	}
 	log := logger(level)
 	if age, ok := daemon.ProcessAge(os.Getpid()); ok {
-		// With "starting the node daemon" below: where a restart's wait
-		// goes, before main (container set-up, exec) or after it.
+		// Where a restart's wait goes: before main (container set-up,
+		// exec) or after it (the daemon logs its own start).
 		log.Info("plugin starting", "plugin_started_ago", age.Round(time.Millisecond))
 	}
 	klog.SetSlogLogger(log) // mount-utils logs through klog
@@ -176,9 +176,6 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 		// A daemon already running belongs to the plugin pod this one
 		// replaces (an upgrade with the pods overlapping): take its
 		// devices over, so they never see a dead connection.
-		if age, ok := daemon.ProcessAge(os.Getpid()); ok {
-			log.Info("starting the node daemon", "plugin_started_ago", age.Round(time.Millisecond))
-		}
 		sctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
 		pd, err := c.StartForPlugin(sctx)
 		if err != nil {
