@@ -78,15 +78,20 @@ type PluginDaemon struct {
 	mine atomic.Value // string: the instance this plugin started
 }
 
-// StartForPlugin is TakeOver, remembering which daemon is the plugin's.
-func (c *Client) StartForPlugin(ctx context.Context) (*PluginDaemon, error) {
+// NewPluginDaemon is the plugin's hold on c's daemon, before Start.
+func (c *Client) NewPluginDaemon() *PluginDaemon {
 	p := &PluginDaemon{c: c}
 	p.mine.Store("")
-	err := c.TakeOver(ctx)
+	return p
+}
+
+// Start is TakeOver, remembering which daemon is the plugin's.
+func (p *PluginDaemon) Start(ctx context.Context) error {
+	err := p.c.TakeOver(ctx)
 	if err == nil {
 		p.remember(ctx)
 	}
-	return p, err
+	return err
 }
 
 func (p *PluginDaemon) remember(ctx context.Context) {

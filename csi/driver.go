@@ -104,6 +104,12 @@ type Config struct {
 	// encrypted volume's key (which lives in image metadata).
 	Images Images
 	Daemon NodeDaemon // node
+	// DaemonReady, if set, is closed once the plugin's start-up take-over
+	// (or start) of the node daemon has ended, either way. The plugin
+	// listens before that, so the kubelet and the registrar hear from it
+	// at once; until then Probe says not ready and the node's volume
+	// calls wait, so none starts a daemon of its own beside that one.
+	DaemonReady <-chan struct{}
 	// KMSConfig is ceph-csi's KMS config file (DefaultKMSConfig if
 	// empty): what a StorageClass's encryptionKMSID names.
 	KMSConfig string

@@ -32,6 +32,9 @@ func (d *Driver) GetPluginCapabilities(context.Context, *csi.GetPluginCapabiliti
 // every cluster it has credentials for answers.
 func (d *Driver) Probe(ctx context.Context, _ *csi.ProbeRequest) (*csi.ProbeResponse, error) {
 	if d.cfg.Node {
+		if !d.daemonReady() {
+			return &csi.ProbeResponse{Ready: wrapperspb.Bool(false)}, nil
+		}
 		if err := d.cfg.Daemon.Ping(ctx); err != nil {
 			return nil, status.Errorf(codes.FailedPrecondition, "the node daemon does not answer: %v", err)
 		}

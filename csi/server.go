@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime/debug"
+	"strings"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -56,7 +57,7 @@ func Listen(endpoint string, replaceLive bool) (net.Listener, error) {
 // Server returns a gRPC server with the driver's services registered
 // and its interceptors installed.
 func (d *Driver) Server() *grpc.Server {
-	s := grpc.NewServer(grpc.ChainUnaryInterceptor(d.logCalls, d.recoverPanics))
+	s := grpc.NewServer(grpc.ChainUnaryInterceptor(d.logCalls, d.recoverPanics, d.waitDaemon))
 	csi.RegisterIdentityServer(s, d)
 	if d.cfg.Controller {
 		csi.RegisterControllerServer(s, d)
@@ -143,4 +144,35 @@ func (d *Driver) recoverPanics(ctx context.Context, req any, info *grpc.UnarySer
 		}
 	}()
 	return h(ctx, req)
+}
+
+// daemonReady reports whether the plugin's start-up hold on the node
+// daemon has ended (Config.DaemonReady).
+func (d *Driver) daemonReady() bool {
+	if d.cfg.DaemonReady == nil {
+		return true
+	}
+	select {
+	case <-d.cfg.DaemonReady:
+		return true
+	default:
+		return false
+	}
+}
+
+// waitDaemon holds the node's volume calls until the plugin's start-up
+// take-over of the node daemon has ended: until then a call that found
+// no daemon would start one of its own, racing the one taking the
+// devices back. NodeGetInfo and NodeGetCapabilities need no daemon.
+func (d *Driver) waitDaemon(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+	if d.cfg.DaemonReady == nil || !strings.HasPrefix(info.FullMethod, "/csi.v1.Node/") ||
+		info.FullMethod == "/csi.v1.Node/NodeGetInfo" || info.FullMethod == "/csi.v1.Node/NodeGetCapabilities" {
+		return h(ctx, req)
+	}
+	select {
+	case <-d.cfg.DaemonReady:
+		return h(ctx, req)
+	case <-ctx.Done():
+		return nil, status.Error(codes.Unavailable, "the node daemon is still taking this node's devices back; try again")
+	}
 }

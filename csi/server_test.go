@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 
 	"github.com/rbd-nbd-go/rbd-nbd-go/ceph"
 )
@@ -36,17 +37,30 @@ func (c *callLog) ObserveCall(method, code string, took time.Duration) {
 	c.calls = append(c.calls, method+" "+code)
 }
 
-func TestServerInterceptors(t *testing.T) {
-	calls := &callLog{}
-	r := newRigWith(t, func(c *Config) { c.Calls = calls })
+// serveRig serves r's driver on a unix socket in its directory until
+// the test ends, and dials it.
+func serveRig(t *testing.T, r *rig) (context.Context, string, *grpc.ClientConn) {
+	t.Helper()
 	sock := filepath.Join(r.dir, "csi.sock")
 	l, err := Listen("unix://"+sock, false)
 	if err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
+	t.Cleanup(cancel)
 	go r.d.Serve(ctx, l)
+	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return ctx, sock, conn
+}
+
+func TestServerInterceptors(t *testing.T) {
+	calls := &callLog{}
+	r := newRigWith(t, func(c *Config) { c.Calls = calls })
+	ctx, sock, conn := serveRig(t, r)
 	if fi, err := os.Stat(sock); err != nil || fi.Mode().Perm() != 0o600 {
 		t.Fatalf("endpoint mode %v %v, want 0600", fi.Mode(), err)
 	}
@@ -54,11 +68,6 @@ func TestServerInterceptors(t *testing.T) {
 		l2.Close()
 		t.Fatal("a second plugin took a live endpoint")
 	}
-	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
 	cc := csi.NewControllerClient(conn)
 	req := &csi.CreateVolumeRequest{Name: "pvc-g", Parameters: map[string]string{"clusterID": "c1"},
 		VolumeCapabilities: []*csi.VolumeCapability{mountCap("ext4", rwo)},
@@ -67,7 +76,7 @@ func TestServerInterceptors(t *testing.T) {
 		t.Fatal(err)
 	}
 	req.Secrets["userKey"] = "AQDwrongkey"
-	_, err = cc.CreateVolume(ctx, req)
+	_, err := cc.CreateVolume(ctx, req)
 	wantCode(t, "wrong key", err, codes.PermissionDenied)
 	logs := r.logs.String()
 	if strings.Contains(logs, "AQD") || !strings.Contains(logs, "***stripped***") {
@@ -92,5 +101,52 @@ func TestServerInterceptors(t *testing.T) {
 		"/csi.v1.Controller/CreateVolume Internal, /csi.v1.Identity/GetPluginInfo OK"
 	if got != want {
 		t.Fatalf("observed calls %q, want %q", got, want)
+	}
+}
+
+// The plugin listens while its node daemon is still being taken over:
+// identity and node info answer, Probe says not ready, and a volume call
+// waits for the daemon (Unavailable if its caller gives up first), then
+// goes through once it is ready.
+func TestCallsWaitForTheDaemon(t *testing.T) {
+	ready := make(chan struct{})
+	r := newRigWith(t, func(c *Config) { c.DaemonReady = ready })
+	ctx, _, conn := serveRig(t, r)
+	ic, nc := csi.NewIdentityClient(conn), csi.NewNodeClient(conn)
+	if _, err := ic.GetPluginInfo(ctx, &csi.GetPluginInfoRequest{}); err != nil {
+		t.Fatal(err)
+	}
+	if p, err := ic.Probe(ctx, &csi.ProbeRequest{}); err != nil || p.GetReady().GetValue() {
+		t.Fatalf("Probe while the daemon starts: %v %v, want not ready", p, err)
+	}
+	if _, err := nc.NodeGetInfo(ctx, &csi.NodeGetInfoRequest{}); err != nil {
+		t.Fatal(err)
+	}
+	v := r.create(t, "pvc-w", 1<<20, map[string]string{"clusterID": "c1"})
+	staging := filepath.Join(r.dir, "staging")
+	os.Mkdir(staging, 0o750)
+	req := r.stageReq(v, staging, mountCap("ext4", rwo))
+	short, cancelShort := context.WithTimeout(ctx, 200*time.Millisecond)
+	_, err := nc.NodeStageVolume(short, req)
+	cancelShort()
+	if status.Code(err) != codes.Unavailable && status.Code(err) != codes.DeadlineExceeded {
+		t.Fatalf("NodeStage before the daemon is ready: %v, want Unavailable or DeadlineExceeded", err)
+	}
+	if n := r.att.mapped(); n != 0 {
+		t.Fatalf("a call reached the daemon before it was ready: %d devices", n)
+	}
+	done := make(chan error, 1)
+	go func() { _, err := nc.NodeStageVolume(ctx, req); done <- err }()
+	select {
+	case err := <-done:
+		t.Fatalf("NodeStage returned before the daemon was ready: %v", err)
+	case <-time.After(100 * time.Millisecond):
+	}
+	close(ready)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if p, err := ic.Probe(ctx, &csi.ProbeRequest{}); err != nil || !p.GetReady().GetValue() {
+		t.Fatalf("Probe once the daemon is ready: %v %v", p, err)
 	}
 }

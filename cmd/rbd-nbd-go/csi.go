@@ -176,23 +176,31 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 		// A daemon already running belongs to the plugin pod this one
 		// replaces (an upgrade with the pods overlapping): take its
 		// devices over, so they never see a dead connection.
-		sctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
-		pd, err := c.StartForPlugin(sctx)
-		if err != nil {
-			log.Error("the node daemon is not running", "err", err)
-		}
-		cancel()
-		go pd.Supervise(ctx, time.Second, func(err error) {
+		// The CSI socket opens meanwhile (csi.Config.DaemonReady).
+		pd := c.NewPluginDaemon()
+		ready := make(chan struct{})
+		cfg.DaemonReady = ready
+		go func() {
+			sctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
+			err := pd.Start(sctx)
+			cancel()
 			if err != nil {
-				log.Error("the node daemon is not answering and would not start: trying again later", "err", err)
-				return
+				log.Error("the node daemon is not running", "err", err)
 			}
-			log.Warn("the node daemon had stopped answering: started it again")
-		})
+			close(ready)
+			pd.Supervise(ctx, time.Second, func(err error) {
+				if err != nil {
+					log.Error("the node daemon is not answering and would not start: trying again later", "err", err)
+					return
+				}
+				log.Warn("the node daemon had stopped answering: started it again")
+			})
+		}()
 		defer func() {
 			if ctx.Err() == nil {
 				return // not stopped: failed at start
 			}
+			<-ready // a take-over under way ends first (its context is ctx's)
 			t0 := time.Now()
 			taken := pd.Release(o.takeoverWait)
 			log.Info("stopping: the node daemon stops with this pod", "taken_over_by_a_newer_daemon", taken,
@@ -212,9 +220,11 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 	if err != nil {
 		return err
 	}
-	// The registration socket opens beside the CSI socket, which already
-	// listens: the kubelet calls NodeGetInfo as soon as it learns of us.
-	// Either failing stops the other, and the plugin exits with the error.
+	// The CSI socket listens at once (Probe says not ready until the
+	// node daemon is taken over); the registration socket opens after
+	// that, and the kubelet calls NodeGetInfo as soon as it learns of
+	// us. Either failing stops the other, and the plugin exits with the
+	// error.
 	var pl net.Listener
 	if o.profiling {
 		if pl, err = profiling.Listen(o.profilingAddress); err != nil {
@@ -233,8 +243,19 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 		eg.Go(func() error { metrics.ServeRetrying(ectx, o.metricsAddress, reg, log); return nil })
 	}
 	if o.node && o.registrationPath != "" {
+		// The kubelet hears of us once the take-over has ended: its
+		// registration and the API traffic that follows (NodeGetInfo,
+		// CSINode) would otherwise compete with fencing and reattaching
+		// for a small node's CPU, while every volume waits.
 		reg := &kubelet.Registration{Driver: o.driverName, Endpoint: o.registrationPath, Log: log}
-		eg.Go(func() error { return reg.Serve(ectx, o.registrationDir) })
+		eg.Go(func() error {
+			select {
+			case <-cfg.DaemonReady:
+			case <-ectx.Done():
+				return nil
+			}
+			return reg.Serve(ectx, o.registrationDir)
+		})
 	}
 	return eg.Wait()
 }

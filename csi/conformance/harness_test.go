@@ -2,6 +2,7 @@ package conformance
 
 import (
 	"bufio"
+	"context"
 	"fmt"
 	"net"
 	"os"
@@ -14,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
@@ -193,6 +195,26 @@ func (p *plugin) start() {
 	}
 	if p.conn, err = grpc.NewClient("unix://"+p.sock, grpc.WithTransportCredentials(insecure.NewCredentials())); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// ready waits until the plugin's Probe says ready: it listens before
+// its node daemon is taken over or started, and says ready once that
+// daemon serves.
+func (p *plugin) ready(timeout time.Duration) error {
+	id := csi.NewIdentityClient(p.conn)
+	deadline := time.Now().Add(timeout)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		r, err := id.Probe(ctx, &csi.ProbeRequest{})
+		cancel()
+		if err == nil && r.GetReady().GetValue() {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("the plugin's Probe was not ready within %s (last: %v, %v)", timeout, r.GetReady(), err)
+		}
+		time.Sleep(100 * time.Millisecond)
 	}
 }
 

@@ -260,8 +260,13 @@ func (s *soak) inject(kind string) (time.Duration, string, error) {
 		time.Sleep(time.Second) // the kubelet starts the container again
 		s.p.start()
 		answered := time.Since(t0)
-		err := s.devicesBack(nil)
-		return time.Since(t0), fmt.Sprintf("plugin answering %s after the kill", answered.Round(100*time.Millisecond)), err
+		err := s.p.ready(2 * time.Minute)
+		ready := time.Since(t0)
+		if err == nil {
+			err = s.devicesBack(nil)
+		}
+		return time.Since(t0), fmt.Sprintf("plugin answering %s, ready %s after the kill",
+			answered.Round(100*time.Millisecond), ready.Round(100*time.Millisecond)), err
 	case fUpgrade:
 		oldPlugin, oldDaemon := s.p.cmd, s.p.daemonPID()
 		s.p.conn.Close()
