@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -203,5 +204,47 @@ func TestAdoptFailureFallsBackToReattach(t *testing.T) {
 	}
 	if len(r.k.reconfigs) == 0 {
 		t.Fatal("no RECONFIGURE: the failed device was not reattached")
+	}
+}
+
+// TestReleaseEachAdoptsOneByOne: each device goes to the new manager as
+// soon as the old one has released it (the daemon's pipelined handover),
+// and is served there with its data and no RECONFIGURE.
+func TestReleaseEachAdoptsOneByOne(t *testing.T) {
+	r := newRig(t)
+	m1 := NewManager(Config{Kernel: r.k, Store: r.store, SysBlock: r.sys, Dev: r.dir})
+	recs, data := mapTwo(t, r, m1)
+	ho := handOver(t, m1)
+	listed, served := ho.Devices()
+	if len(listed) != 2 || len(served) != 2 {
+		t.Fatalf("Devices: %v, served %v", listed, served)
+	}
+	m2 := r.manager(t)
+	a := m2.StartAdopt(nil)
+	var mu sync.Mutex
+	got := map[int]int{}
+	if _, err := ho.ReleaseEach(func(h Handed) {
+		mu.Lock()
+		got[h.Rec.Index] = len(h.Conns)
+		mu.Unlock()
+		a.Add(h)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 2 || got[recs[0].Index] != 2 || got[recs[1].Index] != 2 {
+		t.Fatalf("handed one by one: %v", got)
+	}
+	if err := a.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	for i, rec := range recs {
+		for j, s := range r.k.dev(t, rec.Index).socks {
+			if e, b := kio(t, s, cmdRead, uint64(i)*4096, 4096, nil); e != 0 || !bytes.Equal(b, data) {
+				t.Fatalf("device %d socket %d after the handover: errno %d", i, j, e)
+			}
+		}
+	}
+	if len(r.k.reconfigs) != 0 || len(m2.List()) != 2 || len(m1.List()) != 0 {
+		t.Fatalf("reconfigures %+v; old lists %v, new %v", r.k.reconfigs, m1.List(), m2.List())
 	}
 }
