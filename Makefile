@@ -7,7 +7,7 @@ GO      ?= go
 BIN     := bin/rbd-nbd-go
 GOFILES := $(shell find . -name '*.go' -not -path './bin/*')
 
-.PHONY: all deps build test unit interop lint fuzz bench bench-vm bench-vm-scale e2e e2e-csi e2e-k8s e2e-k8s-conformance soak run clean
+.PHONY: all deps build test unit interop lint fuzz bench bench-vm bench-vm-scale bench-vm-csi e2e e2e-csi e2e-k8s e2e-k8s-conformance soak run clean
 
 all: build
 
@@ -137,6 +137,16 @@ bench-vm: deps build
 	mkdir -p bench/results/vm
 	scripts/vm/vm.sh --mem 10G --timeout 3000 --share $(CURDIR)/bench/results/vm -- e2e/bench.sh $(CURDIR)/bench/results/vm
 	$(MAKE) --no-print-directory bench-vm-scale
+	$(MAKE) --no-print-directory bench-vm-csi
+
+# CSI step times beside ceph-csi's, inside the VM: NodeStage/NodeUnstage
+# against the commands ceph-csi's nbd mounter runs (Ceph's rbd-nbd, blkid,
+# mkfs, mount), and a mounted volume's snapshot and restore against
+# ceph-csi's rbd clone chain (e2e/csi.sh timing; log in
+# bench/results/vm-csi/timing.out).
+bench-vm-csi: deps build bin/csi-conformance.test
+	mkdir -p bench/results/vm-csi
+	E2E_OUT=$(CURDIR)/bench/results/vm-csi scripts/vm/vm.sh --mem 6G --timeout 1800 --share $(CURDIR)/bench/results/vm-csi -- e2e/csi.sh timing
 
 # Node scale inside the VM: 8 and 32 images mapped at once, rbd-nbd-go
 # with its default connections and with 16 vs one Ceph rbd-nbd per image:

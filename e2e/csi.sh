@@ -1,6 +1,6 @@
 #!/bin/bash
 # CSI scenarios, run inside the VM (scripts/vm/vm.sh) as root:
-#   e2e/csi.sh [go] [dropin] [soak]    (default: all three)
+#   e2e/csi.sh [go] [dropin] [soak] [timing]    (default: the first three)
 # go:     the Go tests of csi/conformance on real /dev/nbd, real mkfs and
 #         mounts: upstream csi-sanity v5.6.0 (its node and identity
 #         specs, mount and block; the host ran the controller half), a
@@ -8,11 +8,13 @@
 #         static volume, online expand of ext4 and xfs under fio verify,
 #         restart survival (SIGKILL and SIGTERM) and an upgrade's daemon
 #         handover (the plugins overlapping) under fio verify, bad
-#         input, stage/unstage times beside ceph-csi's commands, and
-#         snapshots, restores and clones of mounted volumes (data byte for
-#         byte, the freeze, every delete order, times beside ceph-csi's),
-#         and a QoS limit changed live under fio (ControllerModifyVolume).
-#         Uses bin/csi-conformance.test (make builds it).
+#         input, snapshots, restores and clones of mounted volumes (data
+#         byte for byte, the freeze, every delete order), and a QoS limit
+#         changed live under fio (ControllerModifyVolume). Uses
+#         bin/csi-conformance.test (make builds it).
+# timing: stage/unstage and snapshot/restore times beside ceph-csi's
+#         commands, in the same run (make bench-vm-csi; not in make test:
+#         times are a benchmark's, not a test's).
 # dropin: ceph-csi's whole call sequence with our binary installed as
 #         rbd-nbd: its start-up probe, then map/list/unmap through Ceph's
 #         rbd CLI (ceph-csi < 3.11) and directly (3.11+), attach after a
@@ -22,25 +24,35 @@ T=$root/bin/csi-conformance.test
 
 # Tests the go scenario leaves out when the soak runs too: TestRestartSurvival
 # (a kill -9 and a SIGTERM of the plugin under fio verify) is what the soak
-# does to eight volumes, with the stalls in its table.
+# does to eight volumes, with the stalls in its table; and the timing
+# scenario's tests.
+timing_tests='TestStageTimeVsCephCSI|TestSnapshotTimeVsCephCSI'
 go_skip=${E2E_GO_SKIP-}
-scenario_go() {
-	# The whole output is kept in the shared results directory, if any.
-	local out=${E2E_OUT:-$work}/conformance.out rc
+# go_tests OUT SECONDS TESTS ARGS...: the conformance binary with ARGS,
+# its whole output kept in OUT (in the shared results directory, if
+# any); prints what the note reports (sanity's counts, the times, the
+# stalls) and checks that each of TESTS (a |-list) but the skipped ones
+# passed and that the binary exited 0.
+go_tests() {
+	local out=$1 secs=$2 tests=$3 rc tst
+	shift 3
 	(cd "$root/csi/conformance" && RBD_NBD_GO_BIN=$B RBD_NBD_GO_CSI_NODE=1 RBD_NBD_GO_CEPH=required \
-		timeout -k 10 2400 "$T" -test.v -test.count=1 -test.timeout 38m -test.skip "$go_skip") >"$out" 2>&1
+		timeout -k 10 "$secs" "$T" -test.v -test.count=1 -test.timeout $((secs / 60 - 2))m "$@") >"$out" 2>&1
 	rc=$?
-	# What the note reports: sanity's counts, the times, the stalls.
 	sed 's/\x1b\[[0-9;]*m//g' "$out" | grep -aE '^(Ran |SUCCESS|FAIL!)|took|longest|fio measured|grew online|plugin back|upgrade:|first stage|second stage|snapshot of a mounted|restore to|pool and trash|^\s*(--- |ok|FAIL)' |
 		sed 's/^/e2e:   /'
-	local tst
-	for tst in TestSanity TestVolumeLifecycle TestRetainAndStaticVolume TestOnlineExpand TestRestartSurvival TestUpgradeHandover TestBadInput TestStageTimeVsCephCSI \
-		TestSnapshotRestoreCloneMounted TestSnapshotTimeVsCephCSI TestQoSLiveModify TestEncryptedVolume TestCephCSIEncryptedVolumeOpens; do
+	for tst in ${tests//|/ }; do
 		[[ $tst =~ ^($go_skip)$ ]] && continue
 		check "$tst" grep -q "^--- PASS: $tst " "$out"
 	done
 	check "the conformance binary exited 0" test $rc -eq 0
 	[ $rc -eq 0 ] || sed 's/\x1b\[[0-9;]*m//g' "$out" | grep -aB2 -A12 '\[FAIL\]\|--- FAIL' | tail -80
+}
+
+scenario_go() {
+	go_tests "${E2E_OUT:-$work}/conformance.out" 2400 "TestSanity|TestVolumeLifecycle|TestRetainAndStaticVolume|TestOnlineExpand|\
+TestRestartSurvival|TestUpgradeHandover|TestBadInput|$timing_tests|TestSnapshotRestoreCloneMounted|TestQoSLiveModify|\
+TestEncryptedVolume|TestCephCSIEncryptedVolumeOpens|TestRestoreChainDepth" -test.skip "$go_skip"
 }
 
 # soak: the chaos soak (TestChaosSoak) for E2E_SOAK_MIN minutes (5 in
@@ -70,6 +82,12 @@ scenario_soak() {
 	sed 's/\x1b\[[0-9;]*m//g' "$out" | grep -aE 'soak:|^\s*\||seed' | sed 's/^/e2e:   /'
 	check "TestChaosSoak" grep -q "^--- PASS: TestChaosSoak " "$out"
 	[ $rc -eq 0 ] || tail -60 "$out"
+}
+
+# timing: NodeStage/NodeUnstage and a snapshot and restore of a mounted
+# volume, each beside the commands ceph-csi runs for the same steps.
+scenario_timing() {
+	go_tests "${E2E_OUT:-$work}/timing.out" 1200 "$timing_tests" -test.run "^($timing_tests)\$"
 }
 
 probe() { # ceph-csi's probe of rbd-nbd: exit 0, empty stderr, --cookie on stdout
@@ -111,7 +129,7 @@ scenario_dropin() {
 
 if [ $# -eq 0 ]; then
 	set -- go dropin soak
-	go_skip=${E2E_GO_SKIP-TestRestartSurvival}
+	go_skip=${E2E_GO_SKIP-TestRestartSurvival|$timing_tests}
 fi
 for s in "$@"; do run_scenario "$s" "scenario_$s"; done
 [ $cluster_up -eq 1 ] && scripts/ceph-dev-cluster stop "$work/ceph" >/dev/null 2>&1
