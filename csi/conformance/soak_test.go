@@ -17,6 +17,8 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/control"
 )
 
 // The chaos soak (make soak: 30 minutes; make test: 5): eight CSI
@@ -314,11 +316,18 @@ func (s *soak) inject(kind string) (time.Duration, string, error) {
 }
 
 // devicesBack waits (up to 2 minutes) for ready, if any, and then for
-// the daemon to list every volume's device again.
+// the daemon to list every volume's device again. It asks the control
+// socket in-process until a daemon answers there (a restarted daemon
+// answers once it has taken its devices back), and only then runs the
+// CLI's list-mapped: run every 100 ms while no daemon answers, the CLI
+// started a daemon of its own each time (the healer's behaviour, with
+// devices recorded), each exec a second or more of the VM's two CPUs,
+// which the daemon being measured then waited for.
 func (s *soak) devicesBack(ready func() bool) error {
+	c := &control.Client{StateDir: filepath.Join(s.p.dir, "state")}
 	deadline := time.Now().Add(2 * time.Minute)
 	for time.Now().Before(deadline) {
-		if ready == nil || ready() {
+		if (ready == nil || ready()) && s.answers(c) {
 			if n := s.mappedCount(); n == len(s.vols) {
 				return nil
 			}
@@ -326,6 +335,14 @@ func (s *soak) devicesBack(ready func() bool) error {
 		time.Sleep(100 * time.Millisecond)
 	}
 	return fmt.Errorf("the daemon lists %d devices 2 minutes on, want %d", s.mappedCount(), len(s.vols))
+}
+
+// answers tells whether a daemon answers on the control socket; it never
+// starts one.
+func (s *soak) answers(c *control.Client) bool {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	return c.Ping(ctx) == nil
 }
 
 func (s *soak) mappedCount() int {
