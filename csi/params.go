@@ -115,7 +115,7 @@ func parseParams(in map[string]string, mapDefaults control.MapOptions) (params, 
 // minutes to take a device back (ceph-csi's reattach-timeout), and
 // max_sectors_kb is raised to an RBD object, as the CLI raises it.
 //
-// The request timeout is 6 s, not ceph-csi's 0 (the kernel's 30 s).
+// The request timeout is 8 s, not ceph-csi's 0 (the kernel's 30 s).
 // With two or more connections a timed-out request is never failed: the
 // kernel sends it again on a live socket (or on the one the daemon, or
 // its successor, gives it). What was in flight when a daemon died waits
@@ -123,18 +123,17 @@ func parseParams(in map[string]string, mapDefaults control.MapOptions) (params, 
 // restart without handover. Safe: a retried write is held behind an
 // overlapping first copy still in librbd (nbd stale gate, marked at
 // half the timeout), and a dead daemon's writes are fenced (blocklist)
-// before its successor serves. The cost: a request slower than 6 s
+// before its successor serves. The cost: a request slower than 8 s
 // (an OSD failing over) is sent again, with its socket replaced,
-// instead of waited for. 6 s: the stall after a kill -9 is the timer
-// plus one service time (2 to 3 s on a loaded small node), and the
-// target is 10 s; docs/csi.md has the measurements.
+// instead of waited for. 8 s, not 10 s: the stall after a kill -9 is the
+// timer plus about a second, and the target is 10 s.
 func csiMapDefaults(connections int) control.MapOptions {
 	return control.MapOptions{Connections: connections, IOTimeout: csiIOTimeout, ReattachTimeout: 300 * time.Second,
 		MaxSectorsKB: 4096}
 }
 
 // csiIOTimeout is the kernel request timeout of CSI maps.
-const csiIOTimeout = 6 * time.Second
+const csiIOTimeout = 8 * time.Second
 
 // mapDefaults are the options of a map whose StorageClass sets none.
 func (d *Driver) mapDefaults() control.MapOptions { return csiMapDefaults(d.cfg.Connections) }

@@ -10,7 +10,7 @@ import (
 // options themselves are control.ParseMapOptions'.
 func TestMapOptions(t *testing.T) {
 	def := csiMapDefaults(3)
-	if def.Connections != 3 || def.ReattachTimeout != 300*time.Second || def.IOTimeout != 6*time.Second ||
+	if def.Connections != 3 || def.ReattachTimeout != 300*time.Second || def.IOTimeout != 8*time.Second ||
 		def.MaxSectorsKB != 4096 || def.BlockSize != 0 {
 		t.Fatalf("CSI defaults %+v", def)
 	}
