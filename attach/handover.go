@@ -94,32 +94,13 @@ func (h *Handover) Abort() {
 	}
 }
 
-// Devices lists the paused devices' records and, of those, the ones
-// whose sockets Release hands out (the others are detached): what the
-// new daemon is told before the first device is released.
-func (h *Handover) Devices() (recs []control.Record, served []int) {
-	for _, d := range h.devs {
-		recs = append(recs, d.rec)
-		if d.s != nil {
-			served = append(served, d.rec.Index)
-		}
-	}
-	return recs, served
-}
-
-// Release is ReleaseEach without a callback.
-func (h *Handover) Release() ([]Handed, error) { return h.ReleaseEach(nil) }
-
-// ReleaseEach takes our socket ends out of the NBD servers, finishes with
+// Release takes our socket ends out of the NBD servers, finishes with
 // every backend (flush, close: the image's lock is free once this
 // returns) and forgets every device; their records stay in the store
-// for the new daemon. each, if set, gets every served device as soon as
-// it is released, from that device's goroutine, so the new daemon can
-// adopt it while the others are still closing: each device then waits
-// for its own release and adoption, not for the slowest. Errors closing
-// a backend are returned but do not stop the handover: every request
-// was answered, with librbd's word that what it acknowledged is durable.
-func (h *Handover) ReleaseEach(each func(Handed)) ([]Handed, error) {
+// for the new daemon. Errors closing a backend are returned but do not
+// stop the handover: every request was answered, with librbd's word
+// that what it acknowledged is durable.
+func (h *Handover) Release() ([]Handed, error) {
 	if h.done {
 		return nil, errors.New("handover already ended")
 	}
@@ -142,9 +123,6 @@ func (h *Handover) ReleaseEach(each func(Handed)) ([]Handed, error) {
 			errs[i] = errors.Join(err, d.stopServing())
 			if errs[i] != nil {
 				errs[i] = fmt.Errorf("%s: %w", d.rec.Device(), errs[i])
-			}
-			if each != nil {
-				each(out[i])
 			}
 		}()
 	}
@@ -175,64 +153,28 @@ const adoptWidth = 8
 // dead and Restore's reattach takes it back the usual way; those errors
 // are returned. Whatever of prep Adopt does not use, it closes.
 func (m *Manager) Adopt(handed []Handed, prep *Prepared) error {
-	a := m.StartAdopt(prep)
-	for _, h := range handed {
-		a.Add(h)
-	}
-	return a.Wait()
-}
-
-// Adoption adopts handed devices as they arrive (Add), adoptWidth at a
-// time, each as soon as the old daemon has released it.
-type Adoption struct {
-	m    *Manager
-	prep *Prepared
-	sem  chan struct{}
-	wg   sync.WaitGroup
-	mu   sync.Mutex
-	errs []error
-}
-
-// StartAdopt begins an adoption whose devices come one by one (Add);
-// Wait ends it.
-func (m *Manager) StartAdopt(prep *Prepared) *Adoption {
-	return &Adoption{m: m, prep: prep, sem: make(chan struct{}, adoptWidth)}
-}
-
-// Add adopts h in the background, as Adopt does; a device without
-// sockets (detached) is recorded at once. It does not block.
-func (a *Adoption) Add(h Handed) {
-	if len(h.Conns) == 0 {
-		rec := h.Rec
-		rec.Detached = true
-		a.m.mu.Lock()
-		a.m.devs[rec.Index] = newDevice(rec)
-		a.m.mu.Unlock()
-		return
-	}
-	a.wg.Add(1)
-	go func() {
-		defer a.wg.Done()
-		a.sem <- struct{}{}
-		defer func() { <-a.sem }()
-		if err := a.m.adopt(h, a.prep); err != nil {
-			closeAll(h.Conns)
-			a.mu.Lock()
-			a.errs = append(a.errs, fmt.Errorf("adopt %s: %w", h.Rec.Device(), err))
-			a.mu.Unlock()
+	defer prep.Close()
+	errs := make([]error, len(handed))
+	var todo []int
+	for i, h := range handed {
+		if len(h.Conns) == 0 {
+			rec := h.Rec
+			rec.Detached = true
+			m.mu.Lock()
+			m.devs[rec.Index] = newDevice(rec)
+			m.mu.Unlock()
+			continue
 		}
-	}()
-}
-
-// Wait waits for every device added, closes whatever was prepared ahead
-// and not used, and returns the adoptions' errors. Add may not be called
-// after it.
-func (a *Adoption) Wait() error {
-	a.wg.Wait()
-	a.prep.Close()
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return errors.Join(a.errs...)
+		todo = append(todo, i)
+	}
+	fanOut(len(todo), func(j int) {
+		h := handed[todo[j]]
+		if err := m.adopt(h, prep); err != nil {
+			closeAll(h.Conns)
+			errs[todo[j]] = fmt.Errorf("adopt %s: %w", h.Rec.Device(), err)
+		}
+	})
+	return errors.Join(errs...)
 }
 
 // fanOut runs do(0..n-1), adoptWidth at a time, and waits for them all.

@@ -7,7 +7,6 @@ import (
 	"io"
 	"os"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -32,28 +31,6 @@ func mapTwo(t *testing.T, r *rig, m *Manager) ([]control.Record, []byte) {
 		recs = append(recs, rec)
 	}
 	return recs, data
-}
-
-// pausedTwo maps two devices (mapTwo) in a new manager and pauses it
-// for a handover.
-func pausedTwo(t *testing.T) (*rig, *Manager, []control.Record, []byte, *Handover) {
-	r := newRig(t)
-	m1 := NewManager(Config{Kernel: r.k, Store: r.store, SysBlock: r.sys, Dev: r.dir})
-	recs, data := mapTwo(t, r, m1)
-	return r, m1, recs, data, handOver(t, m1)
-}
-
-// readsBack checks that every socket of each device reads data back,
-// where mapTwo wrote it.
-func readsBack(t *testing.T, r *rig, recs []control.Record, data []byte) {
-	t.Helper()
-	for i, rec := range recs {
-		for j, s := range r.k.dev(t, rec.Index).socks {
-			if e, got := kio(t, s, cmdRead, uint64(i)*4096, 4096, nil); e != 0 || !bytes.Equal(got, data) {
-				t.Fatalf("device %d socket %d after the handover: errno %d", i, j, e)
-			}
-		}
-	}
 }
 
 // handOver pauses m for a handover, failing the test if it cannot.
@@ -147,7 +124,13 @@ func TestHandOverRequestSplitAcrossIt(t *testing.T) {
 	if len(prep.devs) != 0 {
 		t.Fatalf("Adopt left %d prepared backends open", len(prep.devs))
 	}
-	readsBack(t, r, recs, data)
+	for i, rec := range recs {
+		for j, s := range r.k.dev(t, rec.Index).socks {
+			if e, got := kio(t, s, cmdRead, uint64(i)*4096, 4096, nil); e != 0 || !bytes.Equal(got, data) {
+				t.Fatalf("device %d socket %d after the handover: errno %d", i, j, e)
+			}
+		}
+	}
 	if e, got := kio(t, sock, cmdRead, 65536, 4096, nil); e != 0 || !bytes.Equal(got, split) {
 		t.Fatalf("the split write after the handover: errno %d", e)
 	}
@@ -195,7 +178,10 @@ func TestHandOverRefusedHalfway(t *testing.T) {
 // open in the new daemon has its sockets closed; the kernel sees them
 // die and the ordinary reattach serves it.
 func TestAdoptFailureFallsBackToReattach(t *testing.T) {
-	r, _, recs, data, ho := pausedTwo(t)
+	r := newRig(t)
+	m1 := NewManager(Config{Kernel: r.k, Store: r.store, SysBlock: r.sys, Dev: r.dir})
+	recs, data := mapTwo(t, r, m1)
+	ho := handOver(t, m1)
 	handed, err := ho.Release()
 	if err != nil {
 		t.Fatal(err)
@@ -217,38 +203,5 @@ func TestAdoptFailureFallsBackToReattach(t *testing.T) {
 	}
 	if len(r.k.reconfigs) == 0 {
 		t.Fatal("no RECONFIGURE: the failed device was not reattached")
-	}
-}
-
-// TestReleaseEachAdoptsOneByOne: each device goes to the new manager as
-// soon as the old one has released it (the daemon's pipelined handover),
-// and is served there with its data and no RECONFIGURE.
-func TestReleaseEachAdoptsOneByOne(t *testing.T) {
-	r, m1, recs, data, ho := pausedTwo(t)
-	listed, served := ho.Devices()
-	if len(listed) != 2 || len(served) != 2 {
-		t.Fatalf("Devices: %v, served %v", listed, served)
-	}
-	m2 := r.manager(t)
-	a := m2.StartAdopt(nil)
-	var mu sync.Mutex
-	got := map[int]int{}
-	if _, err := ho.ReleaseEach(func(h Handed) {
-		mu.Lock()
-		got[h.Rec.Index] = len(h.Conns)
-		mu.Unlock()
-		a.Add(h)
-	}); err != nil {
-		t.Fatal(err)
-	}
-	if len(got) != 2 || got[recs[0].Index] != 2 || got[recs[1].Index] != 2 {
-		t.Fatalf("handed one by one: %v", got)
-	}
-	if err := a.Wait(); err != nil {
-		t.Fatal(err)
-	}
-	readsBack(t, r, recs, data)
-	if len(r.k.reconfigs) != 0 || len(m2.List()) != 2 || len(m1.List()) != 0 {
-		t.Fatalf("reconfigures %+v; old lists %v, new %v", r.k.reconfigs, m1.List(), m2.List())
 	}
 }

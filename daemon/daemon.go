@@ -91,8 +91,8 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		}
 	}()
 	// Before the images open ahead of a handover, not in its pause:
-	// mlockall walks every mapping there is, 200 ms of the devices' wait
-	// with eight images open on a TCG VM.
+	// mlockall walks every mapping there is, up to 200 ms of the
+	// devices' wait with eight images open on a TCG VM.
 	protectFromReclaim(log)
 	sysmon.Setup(log)
 	// The manager exists before the state directory is ours, so that a
@@ -186,10 +186,9 @@ func ownState(cfg Config, m *attach.Manager, log *slog.Logger) (lock *os.File, t
 		prep = m.Prepare(recs)
 		log.Info("images opened ahead of the handover", "devices", len(recs), "took", time.Since(t0).Round(time.Millisecond))
 	}
-	adoption := m.StartAdopt(prep)
-	if tk, err = take(cfg.StateDir, adoption.Add, log); err != nil {
+	if tk, err = take(cfg.StateDir, log); err != nil {
 		t0 := time.Now()
-		adoption.Wait() // nothing came: closes what was opened ahead
+		prep.Close()
 		closed := time.Since(t0).Round(time.Millisecond)
 		// The running daemon may be dying (its pod stopped before we
 		// asked): then its lock is free in a moment, and this daemon
@@ -205,7 +204,7 @@ func ownState(cfg Config, m *attach.Manager, log *slog.Logger) (lock *os.File, t
 		log.Warn("not taking over: the running daemon serves on", "err", err)
 		return nil, nil, nil
 	}
-	tk.adoption = adoption
+	tk.prepared = prep
 	lock, tk.lock = tk.lock, nil
 	writePID(lock)
 	return lock, tk, nil
@@ -281,13 +280,14 @@ func newManager(cfg Config, ctl kernel.Controller, clusters *rbdio.Clusters, log
 // handed ones): a client that reaches them finds the devices served.
 func takeBack(cfg Config, m *attach.Manager, tk *taken, log *slog.Logger) (net.Listener, net.Listener, error) {
 	if tk != nil {
-		err := tk.adoption.Wait()
-		tk.adoption = nil
+		t0 := time.Now()
+		err := m.Adopt(tk.handed, tk.prepared)
+		tk.handed, tk.prepared = nil, nil // the manager's, or closed by Adopt
 		tk.done(len(m.List()), err)
-		attrs := []any{"devices", len(m.List()), "took", time.Since(tk.header).Round(time.Millisecond), "err", err}
+		attrs := []any{"devices", len(m.List()), "took", time.Since(t0).Round(time.Millisecond), "err", err}
 		if !tk.paused.IsZero() {
-			// Every socket is read again once the adoption ends: an
-			// upper bound, per device, of the wait the handover added.
+			// Every socket is read again once Adopt returns: an upper
+			// bound, per device, of the wait the handover added.
 			attrs = append(attrs, "reads_paused_for", time.Since(tk.paused).Round(time.Millisecond))
 		}
 		log.Info("took over from the previous daemon", attrs...)

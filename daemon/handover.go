@@ -31,20 +31,16 @@ import (
 //	new → old  take {pid}
 //	old → new  refused {why}                  (the old one serves on)
 //	        or header {devices} + [state lock, control socket, handover socket]
-//	           device {index}  + its socket ends, one per served device,
-//	                             each as soon as it is released
-//	           released         (this daemon's sessions record is final)
+//	           one packet per served device   + its socket ends
 //	new → old  done {adopted, failed}
 //
-// The header goes once every device is paused and every request read
-// has been answered; each device's packet once its image is closed (its
-// lock free), and the new daemon adopts it at once, while the others
-// are still closing. The state lock travels as a descriptor (flock
-// belongs to the open file), so there is never a moment without an
-// owner, nor with two; the control socket too, so clients never find
+// The old daemon sends only after every device is paused, answered and
+// released, its images closed. The state lock travels as a descriptor
+// (flock belongs to the open file), so there is never a moment without
+// an owner, nor with two; the control socket too, so clients never find
 // nobody there. A refusal or a failure before the header leaves the old
-// daemon serving; after it, a device the new one does not get or cannot
-// open falls back to the ordinary reattach.
+// daemon serving; after it, a device the new one cannot open falls back
+// to the ordinary reattach.
 
 // HandoverSocket is the handover socket's path in a state directory.
 func HandoverSocket(stateDir string) string { return filepath.Join(stateDir, "handover.sock") }
@@ -261,8 +257,13 @@ func (g *giver) give(c *net.UnixConn, left func()) bool {
 		return refuse(err)
 	}
 	paused := time.Since(t0)
-	// From here on the devices are the new daemon's, whatever happens:
-	// it gets the header now, and each device as soon as it is released.
+	handed, err := h.Release()
+	if err != nil {
+		g.log.Warn("some backends did not close cleanly", "err", err)
+	} else if err := g.fence.clean(); err != nil {
+		g.log.Warn("cannot mark the sessions record clean", "err", err)
+	}
+	// From here on the devices are the new daemon's, whatever happens.
 	left = sync.OnceFunc(left)
 	defer left()
 	var own []*os.File
@@ -279,50 +280,34 @@ func (g *giver) give(c *net.UnixConn, left func()) bool {
 	if err3 == nil {
 		own = append(own, hand)
 	}
-	recs, follow := h.Devices()
-	err = errors.Join(err, err2, err3)
-	if err == nil {
-		err = sendMsg(c, handoverMsg{Op: "header", Devices: recs, Follow: follow, Paused: pausing}, lockDup, ctl, hand)
-	}
-	if err != nil {
-		g.log.Error("handover failed after the pause; the next daemon reattaches every device", "err", err)
-		_, rerr := h.Release()
-		if rerr != nil {
-			g.log.Warn("some backends did not close cleanly", "err", rerr)
+	var recs []control.Record
+	var follow []int
+	for _, h := range handed {
+		recs = append(recs, h.Rec)
+		own = append(own, h.Conns...)
+		if len(h.Conns) > 0 {
+			follow = append(follow, h.Rec.Index)
 		}
+	}
+	if err := errors.Join(err, err2, err3); err != nil {
+		g.log.Error("handover failed after the devices were released; the next daemon reattaches them", "err", err)
 		return true
 	}
-	var sendMu sync.Mutex
-	var sendErr error
-	handed, err := h.ReleaseEach(func(hd attach.Handed) {
-		sendMu.Lock()
-		defer sendMu.Unlock()
-		if sendErr == nil {
-			sendErr = sendMsg(c, handoverMsg{Op: "device", Index: hd.Rec.Index, Conns: len(hd.Conns)}, hd.Conns...)
-			if sendErr != nil {
-				g.log.Error("handover failed midway; the next daemon reattaches the rest", "device", hd.Rec.Device(), "err", sendErr)
-			}
+	if err := sendMsg(c, handoverMsg{Op: "header", Devices: recs, Follow: follow, Paused: pausing}, lockDup, ctl, hand); err != nil {
+		g.log.Error("handover failed after the devices were released; the next daemon reattaches them", "err", err)
+		return true
+	}
+	for _, h := range handed {
+		if len(h.Conns) == 0 {
+			continue
 		}
-	})
-	for _, hd := range handed {
-		own = append(own, hd.Conns...) // the new daemon holds its own copies
-	}
-	if err != nil {
-		g.log.Warn("some backends did not close cleanly", "err", err)
-	} else if err := g.fence.clean(); err != nil {
-		g.log.Warn("cannot mark the sessions record clean", "err", err)
-	}
-	if sendErr != nil {
-		return true
-	}
-	// Only now may the new daemon read the sessions record: this one's
-	// clean mark must not land after the new daemon's own record.
-	if err := sendMsg(c, handoverMsg{Op: "released"}); err != nil {
-		g.log.Error("handover failed at its end", "err", err)
-		return true
+		if err := sendMsg(c, handoverMsg{Op: "device", Index: h.Rec.Index, Conns: len(h.Conns)}, h.Conns...); err != nil {
+			g.log.Error("handover failed midway; the next daemon reattaches the rest", "device", h.Rec.Device(), "err", err)
+			return true
+		}
 	}
 	sent := time.Since(t0)
-	closeFiles(own)
+	closeFiles(own) // the new daemon holds its own copies
 	own = nil
 	left()
 	res, files, err := recvMsg(c, time.Now().Add(doneWait))
@@ -354,9 +339,9 @@ type taken struct {
 	lock     *os.File
 	control  net.Listener
 	hand     net.Listener
-	adoption *attach.Adoption // of the devices received, by ownState
+	handed   []attach.Handed
+	prepared *attach.Prepared // opened ahead, by ownState
 	paused   time.Time        // the old daemon's last new read; zero if not sent
-	header   time.Time        // when the header came
 }
 
 // list asks the daemon running in stateDir which devices it serves,
@@ -386,12 +371,9 @@ func list(stateDir string) ([]control.Record, error) {
 // serves on, and the caller uses it.
 var errRefused = errors.New("handover refused")
 
-// take asks the daemon running in stateDir for its devices, and gives
-// each to each as it arrives (the caller adopts it at once, while the
-// old daemon still releases the others); a device that does not arrive
-// is left to the ordinary reattach. An error wrapping errRefused means
-// nothing changed hands.
-func take(stateDir string, each func(attach.Handed), log *slog.Logger) (*taken, error) {
+// take asks the daemon running in stateDir for its devices. An error
+// wrapping errRefused means nothing changed hands.
+func take(stateDir string, log *slog.Logger) (*taken, error) {
 	c, err := net.DialTimeout("unixpacket", HandoverSocket(stateDir), 5*time.Second)
 	if err != nil {
 		return nil, fmt.Errorf("%w: the running daemon takes no handover: %v", errRefused, err)
@@ -413,7 +395,7 @@ func take(stateDir string, each func(attach.Handed), log *slog.Logger) (*taken, 
 		// with it, and the ordinary reattach takes them back.
 		return nil, fmt.Errorf("%w: %v", errRefused, err)
 	}
-	t := &taken{conn: uc, lock: files[0], paused: hdr.Paused, header: time.Now()}
+	t := &taken{conn: uc, lock: files[0], paused: hdr.Paused}
 	files[0] = nil
 	fail := func(err error) (*taken, error) {
 		closeFiles(files)
@@ -427,36 +409,20 @@ func take(stateDir string, each func(attach.Handed), log *slog.Logger) (*taken, 
 		return fail(err)
 	}
 	closeFiles(files[1:])
-	follow := map[int]bool{}
-	for _, i := range hdr.Follow {
-		follow[i] = true
-	}
-	recs := map[int]control.Record{}
+	byIndex := map[int]int{}
 	for _, rec := range hdr.Devices {
-		if follow[rec.Index] {
-			recs[rec.Index] = rec
-		} else {
-			each(attach.Handed{Rec: rec}) // detached: no sockets
-		}
+		byIndex[rec.Index] = len(t.handed)
+		t.handed = append(t.handed, attach.Handed{Rec: rec})
 	}
-	for len(recs) > 0 {
+	for range hdr.Follow {
 		m, fs, err := recvMsg(uc, time.Now().Add(takeWait))
-		rec, ok := recs[m.Index]
+		i, ok := byIndex[m.Index]
 		if err != nil || m.Op != "device" || !ok || len(fs) != m.Conns {
 			closeFiles(fs)
-			log.Error("handover broke off; what was not received is reattached", "op", m.Op, "err", err)
-			return t, nil
+			log.Error("handover broke off; what was not received is reattached", "err", err)
+			break
 		}
-		delete(recs, m.Index)
-		if len(fs) > 0 {
-			each(attach.Handed{Rec: rec, Conns: fs})
-		}
-	}
-	// The old daemon's sessions record is final once it says so; ours
-	// may be written after that (newFencer) and not before.
-	if m, fs, err := recvMsg(uc, time.Now().Add(takeWait)); err != nil || m.Op != "released" {
-		closeFiles(fs)
-		log.Warn("the previous daemon did not finish the handover", "op", m.Op, "err", err)
+		t.handed[i].Conns = fs
 	}
 	return t, nil
 }
@@ -483,7 +449,8 @@ func (t *taken) close() {
 			l.Close()
 		}
 	}
-	if t.adoption != nil {
-		t.adoption.Wait()
+	for _, h := range t.handed {
+		closeFiles(h.Conns)
 	}
+	t.prepared.Close()
 }

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
-	"encoding/json"
 	"errors"
 	"io"
 	"log/slog"
@@ -121,10 +120,9 @@ func TestHandoverBetweenDaemons(t *testing.T) {
 	m2 := attach.NewManager(attach.Config{Kernel: old.k, Store: store, SysBlock: filepath.Join(dir, "sys"), Dev: filepath.Join(dir, "dev")})
 	defer m2.Close()
 	prep := m2.Prepare(recs)
-	adoption := m2.StartAdopt(prep)
 
 	asked := time.Now()
-	tk, err := take(dir, adoption.Add, slog.New(slog.DiscardHandler))
+	tk, err := take(dir, slog.New(slog.DiscardHandler))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -134,11 +132,8 @@ func TestHandoverBetweenDaemons(t *testing.T) {
 	if tk.paused.Before(asked) || tk.paused.After(time.Now()) {
 		t.Fatalf("paused at %v, not within the take (%v, now)", tk.paused, asked)
 	}
-	// The old daemon's sessions record was final before take returned:
-	// the new daemon's fencer reads it next, and writes its own.
-	var rec sessionsFile
-	if b, err := os.ReadFile(filepath.Join(dir, "sessions.json")); err != nil || json.Unmarshal(b, &rec) != nil || !rec.Clean {
-		t.Fatalf("the old daemon's sessions record when take returned: %+v %v", rec, err)
+	if len(tk.handed) != 1 || len(tk.handed[0].Conns) != 2 || tk.handed[0].Rec.Cookie != "c1" {
+		t.Fatalf("handed %+v", tk.handed)
 	}
 	// The state lock came with it: it stays held once the old daemon's
 	// copy is closed.
@@ -146,13 +141,10 @@ func TestHandoverBetweenDaemons(t *testing.T) {
 	if l, err := lockState(dir); err != nil || l != nil {
 		t.Fatalf("the state lock is free after the handover (%v)", err)
 	}
-	if err := adoption.Wait(); err != nil {
+	if err := m2.Adopt(tk.handed, prep); err != nil {
 		t.Fatal(err)
 	}
-	tk.adoption = nil
-	if ls := m2.List(); len(ls) != 1 || ls[0].Cookie != "c1" || ls[0].Detached {
-		t.Fatalf("adopted %+v", ls)
-	}
+	tk.handed = nil
 	tk.done(1, nil)
 	select {
 	case <-old.handed:
@@ -183,7 +175,7 @@ func TestHandoverRefusedWhileBusy(t *testing.T) {
 	if !old.g.gate.enter() { // a map, say, still opening its image
 		t.Fatal("gate closed")
 	}
-	_, err := take(dir, func(attach.Handed) { t.Error("a device came with a refusal") }, quiet)
+	_, err := take(dir, quiet)
 	if !errors.Is(err, errRefused) {
 		t.Fatalf("take while busy: %v", err)
 	}
@@ -194,7 +186,7 @@ func TestHandoverRefusedWhileBusy(t *testing.T) {
 	if ls, err := (&control.Client{StateDir: dir}).List(ctx); err != nil || len(ls.Devices) != 1 {
 		t.Fatalf("the old daemon after a refusal: %+v %v", ls, err)
 	}
-	tk, err := take(dir, func(h attach.Handed) { closeFiles(h.Conns) }, quiet)
+	tk, err := take(dir, quiet)
 	if err != nil {
 		t.Fatalf("take once idle: %v", err)
 	}
