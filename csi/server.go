@@ -165,7 +165,7 @@ func (d *Driver) daemonReady() bool {
 // no daemon would start one of its own, racing the one taking the
 // devices back. NodeGetInfo and NodeGetCapabilities need no daemon.
 func (d *Driver) waitDaemon(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
-	if d.cfg.DaemonReady == nil || !strings.HasPrefix(info.FullMethod, "/csi.v1.Node/") ||
+	if d.daemonReady() || !strings.HasPrefix(info.FullMethod, "/csi.v1.Node/") ||
 		info.FullMethod == "/csi.v1.Node/NodeGetInfo" || info.FullMethod == "/csi.v1.Node/NodeGetCapabilities" {
 		return h(ctx, req)
 	}

@@ -331,7 +331,7 @@ func (s *soak) devicesBack(ready func() bool) error {
 	c := &control.Client{StateDir: filepath.Join(s.p.dir, "state")}
 	deadline := time.Now().Add(2 * time.Minute)
 	for time.Now().Before(deadline) {
-		if (ready == nil || ready()) && s.answers(c) {
+		if (ready == nil || ready()) && answers(c) {
 			if n := s.mappedCount(); n == len(s.vols) {
 				return nil
 			}
@@ -343,7 +343,7 @@ func (s *soak) devicesBack(ready func() bool) error {
 
 // answers tells whether a daemon answers on the control socket; it never
 // starts one.
-func (s *soak) answers(c *control.Client) bool {
+func answers(c *control.Client) bool {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	return c.Ping(ctx) == nil
