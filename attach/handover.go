@@ -18,10 +18,11 @@ import (
 // a request the old server read but did not answer only when its timer
 // fires (30 s), so a restart that drops sockets stalls every volume for
 // that long. Instead the old daemon stops reading each socket at a
-// request boundary, answers everything it read, closes its images (so
-// their exclusive locks are free), and gives its socket ends to the new
-// daemon, which opens the images and reads on. The two never read one
-// socket, nor hold one image for writing, at the same time.
+// request boundary, answers everything it read, flushes its images and
+// releases their exclusive locks, and gives its socket ends to the new
+// daemon, which takes the locks and reads on; the old one closes the
+// images after that. The two never read one socket, nor hold one image
+// for writing, at the same time.
 
 // Handed is one device as it passes to the new daemon: its record and
 // our ends of its kernel sockets (none for a detached device).
@@ -38,6 +39,8 @@ type Handover struct {
 	devs   []*device
 	paused []*nbd.Paused // per device; nil for a detached one
 	done   bool
+	// later: what is left of closing the released backends.
+	later []func() error
 }
 
 // HandOver pauses every served device: no socket is read any more, and
@@ -94,12 +97,14 @@ func (h *Handover) Abort() {
 	}
 }
 
-// Release takes our socket ends out of the NBD servers, finishes with
-// every backend (flush, close: the image's lock is free once this
-// returns) and forgets every device; their records stay in the store
-// for the new daemon. Errors closing a backend are returned but do not
-// stop the handover: every request was answered, with librbd's word
-// that what it acknowledged is durable.
+// Release takes our socket ends out of the NBD servers, flushes every
+// backend and releases its lock (the image is free for the new daemon
+// once this returns) and forgets every device; their records stay in
+// the store for the new daemon. The rest of each backend's close waits
+// for CloseReleased. Errors are returned but do not stop the handover:
+// every request was answered, with librbd's word that what it
+// acknowledged is durable, and a backend whose lock could not be
+// released early was closed.
 func (h *Handover) Release() ([]Handed, error) {
 	if h.done {
 		return nil, errors.New("handover already ended")
@@ -107,6 +112,7 @@ func (h *Handover) Release() ([]Handed, error) {
 	h.done = true
 	out := make([]Handed, len(h.devs))
 	errs := make([]error, len(h.devs))
+	laters := make([]func() error, len(h.devs))
 	var wg sync.WaitGroup
 	for i, d := range h.devs {
 		out[i].Rec = d.rec
@@ -120,7 +126,10 @@ func (h *Handover) Release() ([]Handed, error) {
 			for _, c := range handed {
 				out[i].Conns = append(out[i].Conns, c.File)
 			}
-			errs[i] = errors.Join(err, d.stopServing())
+			later, herr := d.s.handOff(30 * time.Second)
+			d.s = nil
+			laters[i] = later
+			errs[i] = errors.Join(err, herr)
 			if errs[i] != nil {
 				errs[i] = fmt.Errorf("%s: %w", d.rec.Device(), errs[i])
 			}
@@ -137,7 +146,30 @@ func (h *Handover) Release() ([]Handed, error) {
 	for _, d := range h.devs {
 		d.mu.Unlock()
 	}
+	for _, l := range laters {
+		if l != nil {
+			h.later = append(h.later, l)
+		}
+	}
 	return out, errors.Join(errs...)
+}
+
+// CloseReleased finishes closing the backends Release let go of. The
+// old daemon calls it once the new one has the devices, so that the
+// closes' round trips to the cluster stay out of the devices' pause.
+func (h *Handover) CloseReleased() error {
+	errs := make([]error, len(h.later))
+	var wg sync.WaitGroup
+	for i, c := range h.later {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = c()
+		}()
+	}
+	wg.Wait()
+	h.later = nil
+	return errors.Join(errs...)
 }
 
 // adoptWidth bounds the images opened at once by Adopt: each open is a

@@ -146,6 +146,28 @@ func (s *served) serve(ours []*os.File, log *slog.Logger) error {
 	return nil
 }
 
+// handOff is stop for a handover, whose socket ends have left the
+// server: it flushes the backend and releases its exclusive lock, and
+// returns the rest of the close, for once the new daemon has the
+// device. A backend that cannot release its lock early closes here.
+func (s *served) handOff(timeout time.Duration) (closeLater func() error, err error) {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	err = s.srv.Shutdown(ctx)
+	s.conns.Wait()
+	s.ends.closeUnserved()
+	if err = errors.Join(err, nbd.Flush(s.opened.Backend)); err != nil {
+		// Not known durable: keep the lock until librbd's close has
+		// flushed what it can.
+		return nil, errors.Join(err, s.opened.Close())
+	}
+	ok, err := s.opened.ReleaseLock()
+	if !ok || err != nil {
+		return nil, errors.Join(err, s.opened.Close())
+	}
+	return s.opened.Close, nil
+}
+
 // stop finishes requests in flight (bounded by timeout), flushes and
 // closes the backend. The kernel's sockets end with it.
 func (s *served) stop(timeout time.Duration) error {

@@ -41,6 +41,7 @@ type Opened struct {
 	Describe string
 	close    func() error
 	activate func() error
+	release  func() error
 }
 
 // Activate finishes an Open with Deferred (the lock, the quiesce watch);
@@ -50,6 +51,16 @@ func (o *Opened) Activate() error {
 		return nil
 	}
 	return o.activate()
+}
+
+// ReleaseLock lets go of the exclusive lock ahead of Close (a handover:
+// see rbdio.Image.ReleaseLock); false if the backend holds none it can
+// release early, and then only Close lets go.
+func (o *Opened) ReleaseLock() (bool, error) {
+	if o.release == nil {
+		return false, nil
+	}
+	return true, o.release()
 }
 
 // Close releases the backend (after its server has stopped).
@@ -82,7 +93,8 @@ func Open(spec string, o Options) (*Opened, error) {
 		if err != nil {
 			return nil, err
 		}
-		return &Opened{Backend: im, Describe: "rbd " + is.String(), close: im.Close, activate: im.Activate}, nil
+		return &Opened{Backend: im, Describe: "rbd " + is.String(), close: im.Close, activate: im.Activate,
+			release: im.ReleaseLock}, nil
 	case "rbd-sync":
 		// go-ceph's blocking calls on a worker pool: the bench's baseline
 		// for what the aio path buys. One worker per request in flight,

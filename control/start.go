@@ -76,6 +76,7 @@ func (c *Client) EnsureRunning(ctx context.Context) error {
 type PluginDaemon struct {
 	c    *Client
 	mine atomic.Value // string: the instance this plugin started
+	pid  atomic.Int64 // and its pid
 }
 
 // NewPluginDaemon is the plugin's hold on c's daemon, before Start.
@@ -95,8 +96,9 @@ func (p *PluginDaemon) Start(ctx context.Context) error {
 }
 
 func (p *PluginDaemon) remember(ctx context.Context) {
-	if inst, err := p.c.Instance(ctx); err == nil {
-		p.mine.Store(inst)
+	if resp, err := p.c.call(ctx, Request{Op: OpPing}); err == nil {
+		p.mine.Store(resp.Instance)
+		p.pid.Store(int64(resp.PID))
 	}
 }
 
@@ -152,7 +154,26 @@ func (p *PluginDaemon) Release(wait time.Duration) bool {
 	ctx, cancel := context.WithTimeout(context.Background(), wait)
 	defer cancel()
 	mine, _ := p.mine.Load().(string)
-	return mine != "" && p.c.WaitTakenOver(ctx, mine) == nil
+	if mine == "" || p.c.WaitTakenOver(ctx, mine) != nil {
+		return false
+	}
+	// A daemon that handed over closes its images once the new one has
+	// them (only their locks had to go first): let it finish, rather
+	// than be killed with this pod and leave their watches to time out.
+	waitGone(ctx, int(p.pid.Load()))
+	return true
+}
+
+// waitGone waits, until ctx ends, for process pid to exit. The plugin's
+// daemon is its child, reaped by the goroutine that started it.
+func waitGone(ctx context.Context, pid int) {
+	for pid > 0 && syscall.Kill(pid, 0) == nil {
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
 }
 
 // start runs the daemon and waits until it serves (or says why not).

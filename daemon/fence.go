@@ -153,7 +153,13 @@ func (f *fencer) clean() error {
 	return f.save()
 }
 
+// saveLogged saves the record, unless it is marked clean: that is final,
+// and after a handover the new daemon writes its own to the same file
+// while this one closes its images (their sessions' Closed hooks).
 func (f *fencer) saveLogged() {
+	if f.rec.Clean {
+		return
+	}
 	if err := f.save(); err != nil {
 		f.log.Warn("cannot record RADOS sessions; a kill -9 will be recovered slowly", "err", err)
 	}

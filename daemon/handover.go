@@ -34,8 +34,9 @@ import (
 //	           one packet per served device   + its socket ends
 //	new → old  done {adopted, failed}
 //
-// The old daemon sends only after every device is paused, answered and
-// released, its images closed. The state lock travels as a descriptor
+// The old daemon sends only after every device is paused, answered,
+// flushed and its image's lock released; it closes the images once the
+// new one said done (or broke off). The state lock travels as a descriptor
 // (flock belongs to the open file), so there is never a moment without
 // an owner, nor with two; the control socket too, so clients never find
 // nobody there. A refusal or a failure before the header leaves the old
@@ -263,6 +264,15 @@ func (g *giver) give(c *net.UnixConn, left func()) bool {
 	} else if err := g.fence.clean(); err != nil {
 		g.log.Warn("cannot mark the sessions record clean", "err", err)
 	}
+	// The images' locks are free; the rest of their close waits until
+	// the new daemon has reported (or the handover broke off).
+	defer func() {
+		t := time.Now()
+		if err := h.CloseReleased(); err != nil {
+			g.log.Warn("some released images did not close cleanly", "err", err)
+		}
+		g.log.Info("closed the released images", "took", time.Since(t).Round(time.Millisecond))
+	}()
 	// From here on the devices are the new daemon's, whatever happens.
 	left = sync.OnceFunc(left)
 	defer left()

@@ -401,6 +401,8 @@ func (i cImage) lockExclusive() error {
 	return errnoOf(C.rbd_lock_acquire(i.p, C.RBD_LOCK_MODE_EXCLUSIVE))
 }
 
+func (i cImage) lockRelease() error { return errnoOf(C.rbd_lock_release(i.p)) }
+
 const (
 	aioRead    = C.OP_READ
 	aioWrite   = C.OP_WRITE

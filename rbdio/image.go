@@ -22,12 +22,12 @@ type OpenOptions struct {
 	// Exclusive takes the exclusive lock and keeps it: other clients'
 	// writes are refused until we close.
 	Exclusive bool
-	// Deferred opens without the exclusive lock and the quiesce watch:
-	// Activate takes them later. A daemon taking devices over opens
-	// their images while the old daemon still serves them, so that only
-	// the lock changes hands in the pause. (A watcher with no quiesce
-	// handler acks a snapshot's quiesce at once: it does not get in the
-	// way meanwhile.)
+	// Deferred opens without the exclusive lock, and with the quiesce
+	// hook off: Activate takes the one and turns on the other. A daemon
+	// taking devices over opens their images while the old daemon still
+	// serves them, so that only the lock changes hands in the pause.
+	// (Meanwhile it acks a snapshot's quiesce at once, as a watcher with
+	// no handler does: the old daemon's hook is the one that counts.)
 	Deferred bool
 	// OnResize, if set, is called (from a background goroutine) with
 	// the new size after the image is resized.
@@ -92,6 +92,8 @@ type Image struct {
 	// What Activate does for a Deferred open (Submit reads deferred).
 	deferred  atomic.Bool
 	exclusive bool
+	// released: ReleaseLock ran; the image waits for Close.
+	released  atomic.Bool
 	onQuiesce func(bool) error
 
 	loans  *loanPool
@@ -187,8 +189,8 @@ func (im *Image) start(oo OpenOptions) error {
 	}
 	im.exclusive, im.onQuiesce = oo.Exclusive, oo.OnQuiesce
 	im.deferred.Store(oo.Deferred)
-	if oo.OnQuiesce != nil && !oo.Deferred {
-		if im.quiesce, err = startQuiesce(im.img, im.spec, oo.OnQuiesce); err != nil {
+	if oo.OnQuiesce != nil {
+		if im.quiesce, err = startQuiesce(im.img, im.spec, im.quiesceHook()); err != nil {
 			im.img.updateUnwatch(im.watchHandle)
 			return err
 		}
@@ -196,40 +198,6 @@ func (im *Image) start(oo OpenOptions) error {
 	im.reaped, im.watched = make(chan struct{}), make(chan struct{})
 	go im.reap()
 	go im.watch()
-	return nil
-}
-
-// Activate finishes a Deferred open: it takes the exclusive lock and
-// starts the quiesce watch, if the open asked for them. It does nothing
-// for any other open. After an error it may be called again, or the
-// image closed.
-func (im *Image) Activate() error {
-	if !im.deferred.Load() {
-		return nil
-	}
-	if im.exclusive {
-		if err := im.lockExclusive(); err != nil {
-			return err
-		}
-	}
-	if im.onQuiesce != nil && im.quiesce == nil {
-		q, err := startQuiesce(im.img, im.spec, im.onQuiesce)
-		if err != nil {
-			return err
-		}
-		im.quiesce = q
-	}
-	im.deferred.Store(false)
-	return nil
-}
-
-func (im *Image) lockExclusive() error {
-	if err := im.img.lockExclusive(); err != nil {
-		if errors.Is(err, syscall.EROFS) || errors.Is(err, syscall.EBUSY) {
-			return matching{fmt.Errorf("image %s: exclusive lock is held by another client", im.spec), ceph.ErrLocked}
-		}
-		return fmt.Errorf("image %s: exclusive lock: %w", im.spec, err)
-	}
 	return nil
 }
 
@@ -258,6 +226,9 @@ func (im *Image) Submit(r *nbd.Request) {
 	writes := r.Op == nbd.OpWrite || r.Op == nbd.OpTrim || r.Op == nbd.OpWriteZeroes
 	if im.readOnly && writes {
 		r.Complete(nbd.ErrPerm)
+		return
+	}
+	if im.refuseReleased(r) {
 		return
 	}
 	if r.Op == nbd.OpFlush && im.deferred.Load() {
