@@ -239,9 +239,10 @@ func TestOnlineExpand(t *testing.T) {
 			r.attach()
 			target := r.publish("a", false)
 			before := fsSize(t, target)
-			// One pass (about a minute under TCG) outlasts the expand
-			// (seconds); the running() check below says if it ever did not.
-			f := fio(t, filepath.Join(target, "f"), "32M")
+			// One pass (about half a minute under TCG) outlasts the
+			// expand (seconds); the running() check below says if it ever
+			// did not.
+			f := fio(t, filepath.Join(target, "f"), "16M")
 			time.Sleep(2 * time.Second)
 			resp, err := r.cc.ControllerExpandVolume(r.ctx, &csi.ControllerExpandVolumeRequest{VolumeId: r.vol.VolumeId,
 				CapacityRange: &csi.CapacityRange{RequiredBytes: 640 << 20}, VolumeCapability: r.cap, Secrets: secrets()})

@@ -84,10 +84,21 @@ func TestChaosSoak(t *testing.T) {
 	kinds := []string{fDaemonKill, fPodKill, fUpgrade, fStop, fOSDKill, fUnreachable}
 	var deck []string
 	seen := map[string]bool{}
-	// Until the duration is up and every kind has been dealt at least
-	// once (capped at twice the duration): a short soak tests them all.
-	for (time.Since(t0) < dur || len(seen) < len(kinds)) && time.Since(t0) < 2*dur && !s.loadFailed() {
-		time.Sleep(time.Duration(20+rng.Intn(41)) * time.Second)
+	// A fault every 20-60 s, the last one starting within the duration;
+	// but until every kind has been dealt at least once (capped at twice
+	// the duration): a short soak tests them all. A short one (make
+	// test's 5 minutes) keeps to the low end, 20-30 s, so that the six
+	// fit in about its duration instead of half as long again.
+	gapMax := 60
+	if dur < 10*time.Minute {
+		gapMax = 30
+	}
+	for !s.loadFailed() {
+		gap := time.Duration(20+rng.Intn(gapMax-19)) * time.Second
+		if at := time.Since(t0) + gap; at >= 2*dur || at >= dur && len(seen) == len(kinds) {
+			break
+		}
+		time.Sleep(gap)
 		if s.loadFailed() {
 			break
 		}
