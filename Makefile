@@ -42,9 +42,9 @@ e2e: deps build
 	$(MAKE) --no-print-directory e2e-k8s K8S_SCENARIOS="$(K8S_TEST_SCENARIOS)"
 
 # The e2e-k8s scenarios make test runs: f (restarts under I/O and the
-# stalls they cost), g (bad input) and a fixed four-spec subset of
-# Kubernetes' own storage tests (data kept, a restore, a block clone, a
-# VolumeAttributesClass swapped). The rest run in the full `make e2e-k8s`
+# stalls they cost), g (bad input) and a fixed three-spec subset of
+# Kubernetes' own storage tests (a restore, with data kept across pods;
+# a block clone; a VolumeAttributesClass swapped). The rest run in the full `make e2e-k8s`
 # and `make e2e-k8s-conformance`: this box's speed varies about four-fold,
 # and make test must stay inside CI's 90 minutes on a slow day. Their
 # driver paths run in e2e-csi on real /dev/nbd (TestRetainAndStaticVolume,
@@ -67,7 +67,8 @@ e2e-csi: deps build bin/csi-conformance.test
 # The chaos soak alone, for SOAK_MIN minutes (30 unless set): eight CSI
 # volumes under fio verify and an fsync'd append log while the plugin,
 # its daemon and the OSD are killed, upgraded and cut off, one fault every
-# 20-60 s from a printed seed (RBD_NBD_GO_SOAK_SEED repeats it). Its
+# 20-60 s (20-30 s under 10 minutes, as make test's 5) from a printed
+# seed (RBD_NBD_GO_SOAK_SEED repeats it). Its
 # fault table is kept in bench/reference/soak, dated.
 SOAK_MIN ?= 30
 soak: deps build bin/csi-conformance.test
