@@ -211,3 +211,32 @@ func TestEarlySessionsWaitForTheFencer(t *testing.T) {
 		t.Fatalf("recorded %+v; want the early and the later session, the dead one fenced once", rec.Sessions)
 	}
 }
+
+// TestCleanRecordIsFinal: after a handover the old daemon closes its
+// images (their sessions' Closed hooks) while the new one has written
+// its own record: the old fencer, once clean, writes nothing more.
+func TestCleanRecordIsFinal(t *testing.T) {
+	dir := t.TempDir()
+	old, err := newFencer(dir, sessionsFile{PID: 100, Start: 7}, alive(), func() time.Time { return clock }, quiet)
+	if err != nil {
+		t.Fatal(err)
+	}
+	old.opened("A", []string{"1.1.1.1:0/1"}, (&fakeCluster{}).blocklist)
+	if err := old.clean(); err != nil {
+		t.Fatal(err)
+	}
+	// The new daemon takes the directory over.
+	nf, err := newFencer(dir, sessionsFile{PID: 101, Start: 8}, alive(), func() time.Time { return clock }, quiet)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := &fakeCluster{}
+	nf.opened("A", []string{"1.1.1.1:0/2"}, c.blocklist)
+	old.closed([]string{"1.1.1.1:0/1"})
+	var rec sessionsFile
+	b, _ := os.ReadFile(dir + "/sessions.json")
+	json.Unmarshal(b, &rec)
+	if rec.PID != 101 || rec.Clean || len(rec.Sessions) != 1 || len(c.calls) != 0 {
+		t.Fatalf("record %+v, fenced %q; want the new daemon's, nothing fenced", rec, c.addrs())
+	}
+}
