@@ -39,7 +39,8 @@ type Handover struct {
 	devs   []*device
 	paused []*nbd.Paused // per device; nil for a detached one
 	done   bool
-	// later: what is left of closing the released backends.
+	// later: per device, what is left of closing its released backend
+	// (nil if none is).
 	later []func() error
 }
 
@@ -112,7 +113,7 @@ func (h *Handover) Release() ([]Handed, error) {
 	h.done = true
 	out := make([]Handed, len(h.devs))
 	errs := make([]error, len(h.devs))
-	laters := make([]func() error, len(h.devs))
+	h.later = make([]func() error, len(h.devs))
 	var wg sync.WaitGroup
 	for i, d := range h.devs {
 		out[i].Rec = d.rec
@@ -128,7 +129,7 @@ func (h *Handover) Release() ([]Handed, error) {
 			}
 			later, herr := d.s.handOff(30 * time.Second)
 			d.s = nil
-			laters[i] = later
+			h.later[i] = later
 			errs[i] = errors.Join(err, herr)
 			if errs[i] != nil {
 				errs[i] = fmt.Errorf("%s: %w", d.rec.Device(), errs[i])
@@ -146,11 +147,6 @@ func (h *Handover) Release() ([]Handed, error) {
 	for _, d := range h.devs {
 		d.mu.Unlock()
 	}
-	for _, l := range laters {
-		if l != nil {
-			h.later = append(h.later, l)
-		}
-	}
 	return out, errors.Join(errs...)
 }
 
@@ -159,15 +155,11 @@ func (h *Handover) Release() ([]Handed, error) {
 // closes' round trips to the cluster stay out of the devices' pause.
 func (h *Handover) CloseReleased() error {
 	errs := make([]error, len(h.later))
-	var wg sync.WaitGroup
-	for i, c := range h.later {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			errs[i] = c()
-		}()
-	}
-	wg.Wait()
+	fanOut(len(h.later), func(i int) {
+		if h.later[i] != nil {
+			errs[i] = h.later[i]()
+		}
+	})
 	h.later = nil
 	return errors.Join(errs...)
 }

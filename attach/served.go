@@ -151,12 +151,7 @@ func (s *served) serve(ours []*os.File, log *slog.Logger) error {
 // returns the rest of the close, for once the new daemon has the
 // device. A backend that cannot release its lock early closes here.
 func (s *served) handOff(timeout time.Duration) (closeLater func() error, err error) {
-	ctx, cancel := context.WithTimeout(context.Background(), timeout)
-	defer cancel()
-	err = s.srv.Shutdown(ctx)
-	s.conns.Wait()
-	s.ends.closeUnserved()
-	if err = errors.Join(err, nbd.Flush(s.opened.Backend)); err != nil {
+	if err := s.drain(timeout); err != nil {
 		// Not known durable: keep the lock until librbd's close has
 		// flushed what it can.
 		return nil, errors.Join(err, s.opened.Close())
@@ -171,6 +166,12 @@ func (s *served) handOff(timeout time.Duration) (closeLater func() error, err er
 // stop finishes requests in flight (bounded by timeout), flushes and
 // closes the backend. The kernel's sockets end with it.
 func (s *served) stop(timeout time.Duration) error {
+	return errors.Join(s.drain(timeout), s.opened.Close())
+}
+
+// drain stops the server, finishing requests in flight (bounded by
+// timeout), and flushes the backend.
+func (s *served) drain(timeout time.Duration) error {
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	err := s.srv.Shutdown(ctx)
@@ -178,5 +179,5 @@ func (s *served) stop(timeout time.Duration) error {
 	// for them; none may still be submitting when the backend closes.
 	s.conns.Wait()
 	s.ends.closeUnserved()
-	return errors.Join(err, nbd.Flush(s.opened.Backend), s.opened.Close())
+	return errors.Join(err, nbd.Flush(s.opened.Backend))
 }

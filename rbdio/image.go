@@ -89,11 +89,10 @@ type Image struct {
 	release func() // cluster connection reference and ioctx
 
 	quiesce *quiescer
-	// What Activate does for a Deferred open (Submit reads deferred).
-	deferred  atomic.Bool
+	// phase: whether this open acts as the image's owner (lock.go);
+	// Submit reads it for writes and flushes only.
+	phase     atomic.Int32
 	exclusive bool
-	// released: ReleaseLock ran; the image waits for Close.
-	released  atomic.Bool
 	onQuiesce func(bool) error
 
 	loans  *loanPool
@@ -188,7 +187,9 @@ func (im *Image) start(oo OpenOptions) error {
 		return fmt.Errorf("image %s: update watch: %w", im.spec, err)
 	}
 	im.exclusive, im.onQuiesce = oo.Exclusive, oo.OnQuiesce
-	im.deferred.Store(oo.Deferred)
+	if oo.Deferred {
+		im.phase.Store(phaseDeferred)
+	}
 	if oo.OnQuiesce != nil {
 		if im.quiesce, err = startQuiesce(im.img, im.spec, im.quiesceHook()); err != nil {
 			im.img.updateUnwatch(im.watchHandle)
@@ -228,12 +229,7 @@ func (im *Image) Submit(r *nbd.Request) {
 		r.Complete(nbd.ErrPerm)
 		return
 	}
-	if im.refuseReleased(r) {
-		return
-	}
-	if r.Op == nbd.OpFlush && im.deferred.Load() {
-		// Nothing written before Activate; librbd's flush would wait for the lock.
-		r.Complete(nil)
+	if (writes || r.Op == nbd.OpFlush) && im.phase.Load() != phaseOwner && im.notOwner(r) {
 		return
 	}
 	if size := im.size.Load(); r.Op != nbd.OpFlush && (r.Offset > size || uint64(r.Length) > size-r.Offset) {

@@ -9,13 +9,23 @@ import (
 	"github.com/rbd-nbd-go/rbd-nbd-go/nbd"
 )
 
+// An open's phase: the owner (every open but these two); Deferred,
+// until Activate; released, after ReleaseLock. In the other two the
+// device is another daemon's: its writes and snapshot quiesces are not
+// this open's to handle.
+const (
+	phaseOwner int32 = iota
+	phaseDeferred
+	phaseReleased
+)
+
 // Activate finishes a Deferred open: it takes the exclusive lock, if the
 // open asked for it, and turns the quiesce hook on (its watch was
 // registered at open, out of the handover's pause). It does nothing for
 // any other open. After an error it may be called again, or the image
 // closed.
 func (im *Image) Activate() error {
-	if !im.deferred.Load() {
+	if im.phase.Load() != phaseDeferred {
 		return nil
 	}
 	if im.exclusive {
@@ -23,7 +33,7 @@ func (im *Image) Activate() error {
 			return err
 		}
 	}
-	im.deferred.Store(false)
+	im.phase.Store(phaseOwner)
 	return nil
 }
 
@@ -48,7 +58,7 @@ func (im *Image) lockExclusive() error {
 // hook, and Close must still be called. It does nothing for an open
 // that holds no lock of its own.
 func (im *Image) ReleaseLock() error {
-	if !im.exclusive || im.deferred.Load() || im.released.Swap(true) {
+	if !im.exclusive || !im.phase.CompareAndSwap(phaseOwner, phaseReleased) {
 		return nil
 	}
 	if err := im.img.lockRelease(); err != nil {
@@ -57,14 +67,22 @@ func (im *Image) ReleaseLock() error {
 	return nil
 }
 
-// refuseReleased completes r with an error if the image's lock was
-// released and r would need it; true if it did.
-func (im *Image) refuseReleased(r *nbd.Request) bool {
-	if !im.released.Load() || r.Op == nbd.OpRead || r.Op == nbd.OpBlockStatus {
-		return false
+// notOwner completes a write or flush r sent to an open that is not the
+// owner, and reports whether it did. Before Activate a flush has nothing
+// of ours to flush (librbd's would wait for the lock); after the release
+// librbd would ask for the lock back, so both are refused.
+func (im *Image) notOwner(r *nbd.Request) bool {
+	switch im.phase.Load() {
+	case phaseDeferred:
+		if r.Op == nbd.OpFlush {
+			r.Complete(nil)
+			return true
+		}
+	case phaseReleased:
+		r.Complete(nbd.ErrShutdown)
+		return true
 	}
-	r.Complete(nbd.ErrShutdown)
-	return true
+	return false
 }
 
 // quiesceHook is the quiesce handler the watch calls: the open's own
@@ -76,7 +94,7 @@ func (im *Image) refuseReleased(r *nbd.Request) bool {
 func (im *Image) quiesceHook() func(bool) error {
 	var frozen bool
 	return func(q bool) error {
-		if (im.deferred.Load() || im.released.Load()) && (q || !frozen) {
+		if im.phase.Load() != phaseOwner && (q || !frozen) {
 			return nil
 		}
 		frozen = q
