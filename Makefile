@@ -68,7 +68,8 @@ e2e-csi: deps build bin/csi-conformance.test
 # volumes under fio verify and an fsync'd append log while the plugin,
 # its daemon and the OSD are killed, upgraded and cut off, one fault every
 # 20-60 s (20-30 s under 10 minutes, as make test's 5) from a printed
-# seed (RBD_NBD_GO_SOAK_SEED repeats it). Its
+# seed (RBD_NBD_GO_SOAK_SEED repeats it; RBD_NBD_GO_SOAK_FAULTS=upgrade,...
+# deals only those kinds, docs/testing.md). Its
 # fault table is kept in bench/reference/soak, dated.
 SOAK_MIN ?= 30
 soak: deps build bin/csi-conformance.test

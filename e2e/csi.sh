@@ -81,7 +81,13 @@ scenario_soak() {
 	umount "$fs"
 	sed 's/\x1b\[[0-9;]*m//g' "$out" | grep -aE 'soak:|^\s*\||seed' | sed 's/^/e2e:   /'
 	check "TestChaosSoak" grep -q "^--- PASS: TestChaosSoak " "$out"
-	[ $rc -eq 0 ] || tail -60 "$out"
+	if [ $rc -ne 0 ]; then
+		# What failed (t.Errorf's lines; the summary above keeps only
+		# the soak's own), then the end of the output: the logs.
+		sed 's/\x1b\[[0-9;]*m//g' "$out" | grep -aE '^\s+[a-z_]+_test\.go:[0-9]+: ' | grep -avE '_test\.go:[0-9]+: (soak: |soak report:|Node[A-Za-z]+ took )' |
+			head -40 | sed 's/^/e2e: failed: /'
+		tail -60 "$out"
+	fi
 }
 
 # timing: NodeStage/NodeUnstage and a snapshot and restore of a mounted

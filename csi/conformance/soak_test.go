@@ -42,6 +42,28 @@ const (
 	fUnreachable = "OSD unreachable 15 s"
 )
 
+// soakKinds are the faults dealt: all six, or those RBD_NBD_GO_SOAK_FAULTS
+// names (comma-separated short names, e.g. "upgrade" to measure only
+// the handover).
+func soakKinds() ([]string, error) {
+	all := []string{fDaemonKill, fPodKill, fUpgrade, fStop, fOSDKill, fUnreachable}
+	short := map[string]string{"daemon-kill": fDaemonKill, "pod-kill": fPodKill, "upgrade": fUpgrade,
+		"stop": fStop, "osd-kill": fOSDKill, "osd-cut": fUnreachable}
+	env := os.Getenv("RBD_NBD_GO_SOAK_FAULTS")
+	if env == "" {
+		return all, nil
+	}
+	var kinds []string
+	for _, n := range strings.Split(env, ",") {
+		k, ok := short[strings.TrimSpace(n)]
+		if !ok {
+			return nil, fmt.Errorf("RBD_NBD_GO_SOAK_FAULTS: no fault %q (daemon-kill, pod-kill, upgrade, stop, osd-kill, osd-cut)", n)
+		}
+		kinds = append(kinds, k)
+	}
+	return kinds, nil
+}
+
 var soakTargets = map[string]string{
 	fDaemonKill: "≤ 10 s", fPodKill: "≤ 10 s", fUpgrade: "≤ 1 s", fStop: "≤ 30 s, 0 errors",
 	fOSDKill: "0 errors; ≈ the OSD's restart", fUnreachable: "0 errors",
@@ -65,11 +87,15 @@ func TestChaosSoak(t *testing.T) {
 	if out, err := exec.Command("iptables-legacy", "-L", "INPUT", "-n").CombinedOutput(); err != nil {
 		t.Fatalf("iptables, to cut the OSD off: %v: %s (e2e/csi.sh loads the modules)", err, out)
 	}
+	kinds, err := soakKinds()
+	if err != nil {
+		t.Fatal(err)
+	}
 	seed := time.Now().UnixNano()
 	if s := os.Getenv("RBD_NBD_GO_SOAK_SEED"); s != "" {
 		seed, _ = strconv.ParseInt(s, 10, 64)
 	}
-	t.Logf("soak: seed %d (RBD_NBD_GO_SOAK_SEED=%d repeats the faults), %s", seed, seed, dur)
+	t.Logf("soak: seed %d (RBD_NBD_GO_SOAK_SEED=%d repeats the faults), %s, faults: %s", seed, seed, dur, strings.Join(kinds, ", "))
 	rng := rand.New(rand.NewSource(seed))
 
 	s := &soak{t: t}
@@ -81,7 +107,6 @@ func TestChaosSoak(t *testing.T) {
 	t0 := time.Now()
 	t.Logf("soak: %d volumes up in %s", len(s.vols), t0.Sub(tUp).Round(100*time.Millisecond))
 	var faults []fault
-	kinds := []string{fDaemonKill, fPodKill, fUpgrade, fStop, fOSDKill, fUnreachable}
 	var deck []string
 	seen := map[string]bool{}
 	// A fault every 20-60 s, the last one starting within the duration;
