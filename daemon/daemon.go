@@ -288,7 +288,11 @@ func takeBack(cfg Config, m *attach.Manager, tk *taken, log *slog.Logger) (net.L
 		if !tk.paused.IsZero() {
 			// Every socket is read again once Adopt returns: an upper
 			// bound, per device, of the wait the handover added.
-			attrs = append(attrs, "reads_paused_for", time.Since(tk.paused).Round(time.Millisecond))
+			// Its parts: until the last device had arrived, and until
+			// Adopt began (the sessions record in between).
+			ms := func(d time.Duration) time.Duration { return d.Round(time.Millisecond) }
+			attrs = append(attrs, "reads_paused_for", ms(time.Since(tk.paused)),
+				"received_after", ms(tk.received.Sub(tk.paused)), "adopting_after", ms(t0.Sub(tk.paused)))
 		}
 		log.Info("took over from the previous daemon", attrs...)
 	}

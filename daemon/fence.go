@@ -165,6 +165,10 @@ func (f *fencer) saveLogged() {
 	}
 }
 
+// save replaces the record atomically (a temporary file renamed), with
+// no fsync: the record matters only while the machine is up, since its
+// sessions die with it, and a daemon writes it in an upgrade's pause
+// (a journal commit each time, were the state directory not on tmpfs).
 func (f *fencer) save() error {
 	b, err := json.MarshalIndent(f.rec, "", "  ")
 	if err != nil {
@@ -176,7 +180,7 @@ func (f *fencer) save() error {
 		return err
 	}
 	_, err = t.Write(b)
-	err = errors.Join(err, t.Sync(), t.Close())
+	err = errors.Join(err, t.Close())
 	if err != nil {
 		return err
 	}

@@ -352,6 +352,7 @@ type taken struct {
 	handed   []attach.Handed
 	prepared *attach.Prepared // opened ahead, by ownState
 	paused   time.Time        // the old daemon's last new read; zero if not sent
+	received time.Time        // when the last device had arrived
 }
 
 // list asks the daemon running in stateDir which devices it serves,
@@ -434,6 +435,7 @@ func take(stateDir string, log *slog.Logger) (*taken, error) {
 		}
 		t.handed[i].Conns = fs
 	}
+	t.received = time.Now()
 	return t, nil
 }
 
