@@ -98,10 +98,15 @@ func sendMsg(c *net.UnixConn, m handoverMsg, files ...*os.File) error {
 	return err
 }
 
-// recvMsg receives one packet and the files attached to it.
-func recvMsg(c *net.UnixConn, deadline time.Time) (handoverMsg, []*os.File, error) {
+// recvMsg receives one packet and the files attached to it into b
+// (maxPacket long, or nil for a fresh one). The new daemon passes one
+// buffer, made before it asks, for every packet of a handover: not a
+// megabyte allocated per device in the devices' pause.
+func recvMsg(c *net.UnixConn, deadline time.Time, b []byte) (handoverMsg, []*os.File, error) {
 	c.SetReadDeadline(deadline)
-	b := make([]byte, maxPacket)
+	if b == nil {
+		b = make([]byte, maxPacket)
+	}
 	oob := make([]byte, unix.CmsgSpace(4*fdsPerPacket+16))
 	n, oobn, flags, _, err := c.ReadMsgUnix(b, oob)
 	if err != nil {
@@ -227,7 +232,7 @@ func (g *giver) serveHandovers(ctx context.Context, handedOver func()) {
 // (and left called).
 func (g *giver) give(c *net.UnixConn, left func()) bool {
 	defer c.Close()
-	req, files, err := recvMsg(c, time.Now().Add(10*time.Second))
+	req, files, err := recvMsg(c, time.Now().Add(10*time.Second), nil)
 	closeFiles(files)
 	if err == nil && req.Op == "list" {
 		if err := sendMsg(c, handoverMsg{Op: "devices", Devices: g.m.List()}); err != nil {
@@ -320,7 +325,7 @@ func (g *giver) give(c *net.UnixConn, left func()) bool {
 	closeFiles(own) // the new daemon holds its own copies
 	own = nil
 	left()
-	res, files, err := recvMsg(c, time.Now().Add(doneWait))
+	res, files, err := recvMsg(c, time.Now().Add(doneWait), nil)
 	closeFiles(files)
 	g.log.Info("handed over", "pid", req.PID, "devices", len(handed), "paused_after", paused.Round(time.Millisecond),
 		"sent_after", sent.Round(time.Millisecond), "adopted", res.Adopted, "failed", res.Failed, "err", err)
@@ -367,7 +372,7 @@ func list(stateDir string) ([]control.Record, error) {
 	if err := sendMsg(uc, handoverMsg{Op: "list"}); err != nil {
 		return nil, err
 	}
-	m, files, err := recvMsg(uc, time.Now().Add(10*time.Second))
+	m, files, err := recvMsg(uc, time.Now().Add(10*time.Second), nil)
 	closeFiles(files)
 	if err != nil {
 		return nil, err
@@ -390,11 +395,12 @@ func take(stateDir string, log *slog.Logger) (*taken, error) {
 		return nil, fmt.Errorf("%w: the running daemon takes no handover: %v", errRefused, err)
 	}
 	uc := c.(*net.UnixConn)
+	buf := make([]byte, maxPacket)
 	if err := sendMsg(uc, handoverMsg{Op: "take", PID: os.Getpid()}); err != nil {
 		uc.Close()
 		return nil, fmt.Errorf("%w: %v", errRefused, err)
 	}
-	hdr, files, err := recvMsg(uc, time.Now().Add(takeWait))
+	hdr, files, err := recvMsg(uc, time.Now().Add(takeWait), buf)
 	if err != nil || hdr.Op != "header" || len(files) != 3 {
 		closeFiles(files)
 		uc.Close()
@@ -426,7 +432,7 @@ func take(stateDir string, log *slog.Logger) (*taken, error) {
 		t.handed = append(t.handed, attach.Handed{Rec: rec})
 	}
 	for range hdr.Follow {
-		m, fs, err := recvMsg(uc, time.Now().Add(takeWait))
+		m, fs, err := recvMsg(uc, time.Now().Add(takeWait), buf)
 		i, ok := byIndex[m.Index]
 		if err != nil || m.Op != "device" || !ok || len(fs) != m.Conns {
 			closeFiles(fs)
