@@ -347,9 +347,9 @@ func report(seed int64, took time.Duration, vols []string, faults []fault, loads
 		}
 		fmt.Fprintf(&b, "| %s | %d | %s | %s | %s |\n", k, len(kinds[k]), worst.Round(100*time.Millisecond), waits[k].Round(100*time.Millisecond), targets[k])
 	}
-	if p := worstPaused(faults); p > 0 {
-		fmt.Fprintf(&b, "\nHandovers: the kernel's sockets went unread for at most %s (the new daemon's reads_paused_for: from the old one's last new read to every device read again), the handover's own share of an upgrade's stall; the rest is the floor and the new pod's start.\n",
-			p.Round(10*time.Millisecond))
+	if p, n, under := pausedSummary(faults); p > 0 {
+		fmt.Fprintf(&b, "\nHandovers: the kernel's sockets went unread for at most %s, %d of %d handovers within 1 s (the new daemon's reads_paused_for: from the old one's last new read to every device read again), the handover's own share of an upgrade's stall; the rest is the floor and the new pod's start.\n",
+			p.Round(10*time.Millisecond), under, n)
 	}
 	b.WriteString("\nThe stall is the slowest I/O completion (fio's per-second maximum, or one append+fsync) on any volume between the fault and the next one; where says which volume, and when it completed, from the fault's start. The wait after the fault counts only the part of each I/O after the fault began, and only I/O begun before the fault had recovered (both to 1 s: fio logs each second's slowest): a request already slow before the fault is not charged to it in full, nor one begun after it recovered, which waited on the machine.\n")
 	return b.String()
@@ -374,11 +374,18 @@ func lastReadsPaused(log string) time.Duration {
 	return 0
 }
 
-// worstPaused is the longest unread spell of the run's handovers.
-func worstPaused(faults []fault) time.Duration {
-	var p time.Duration
+// pausedSummary is the longest unread spell of the run's handovers, how
+// many there were, and how many kept within issue 27's 1 s.
+func pausedSummary(faults []fault) (worst time.Duration, n, under int) {
 	for _, f := range faults {
-		p = max(p, f.paused)
+		if f.paused <= 0 {
+			continue
+		}
+		worst = max(worst, f.paused)
+		n++
+		if f.paused <= time.Second {
+			under++
+		}
 	}
-	return p
+	return worst, n, under
 }

@@ -69,7 +69,7 @@ time=2026-11-27T10:01:01Z level=INFO msg="served" reads_paused_for=9s
 		t.Errorf("a takeover without the field: %s, want 0", got)
 	}
 	f := []fault{{kind: fUpgrade, paused: 640 * time.Millisecond}, {kind: fUpgrade, paused: 1250 * time.Millisecond}, {kind: fStop}}
-	if got := report(1, time.Minute, []string{"v"}, f, nil, soakTargets, baseline{}); !strings.Contains(got, "went unread for at most 1.25s") {
+	if got := report(1, time.Minute, []string{"v"}, f, nil, soakTargets, baseline{}); !strings.Contains(got, "went unread for at most 1.25s, 1 of 2 handovers within 1 s") {
 		t.Errorf("report lacks the worst handover pause:\n%s", got)
 	}
 	if got := report(1, time.Minute, []string{"v"}, f[2:], nil, soakTargets, baseline{}); strings.Contains(got, "Handovers:") {

@@ -143,6 +143,9 @@ func TestChaosSoak(t *testing.T) {
 			if l := readFile(dlog); len(l) >= seenLog {
 				f.paused = lastReadsPaused(l[seenLog:])
 			}
+			if f.paused > 0 {
+				f.detail += fmt.Sprintf("; sockets unread %s", f.paused.Round(10*time.Millisecond))
+			}
 		}
 		t.Logf("soak: %s at %s: recovered in %s %s", f.kind, f.at.Round(time.Second), f.recovered.Round(100*time.Millisecond), f.detail)
 		faults = append(faults, f)
