@@ -79,12 +79,13 @@ scenario_soak() {
 		-test.timeout $((2 * min + 14))m) >"$out" 2>&1
 	rc=$?
 	umount "$fs"
-	sed 's/\x1b\[[0-9;]*m//g' "$out" | grep -aE 'soak:|^\s*\||seed' | sed 's/^/e2e:   /'
+	sed -i 's/\x1b\[[0-9;]*m//g' "$out"
+	grep -aE 'soak:|^\s*\||seed' "$out" | sed 's/^/e2e:   /'
 	check "TestChaosSoak" grep -q "^--- PASS: TestChaosSoak " "$out"
 	if [ $rc -ne 0 ]; then
 		# What failed (t.Errorf's lines; the summary above keeps only
 		# the soak's own), then the end of the output: the logs.
-		sed 's/\x1b\[[0-9;]*m//g' "$out" | grep -aE '^\s+[a-z_]+_test\.go:[0-9]+: ' | grep -avE '_test\.go:[0-9]+: (soak: |soak report:|Node[A-Za-z]+ took )' |
+		grep -aE '^\s+[a-z_]+_test\.go:[0-9]+: ' "$out" | grep -avE '_test\.go:[0-9]+: (soak: |soak report:|Node[A-Za-z]+ took )' |
 			head -40 | sed 's/^/e2e: failed: /'
 		tail -60 "$out"
 	fi

@@ -76,3 +76,21 @@ time=2026-11-27T10:01:01Z level=INFO msg="served" reads_paused_for=9s
 		t.Errorf("a report without upgrades states a handover pause:\n%s", got)
 	}
 }
+
+// TestSoakKinds: RBD_NBD_GO_SOAK_FAULTS picks kinds by short name, in
+// its order; unset, every kind is dealt; an unknown name is an error
+// naming the known ones.
+func TestSoakKinds(t *testing.T) {
+	t.Setenv("RBD_NBD_GO_SOAK_FAULTS", "")
+	if all, err := soakKinds(); err != nil || len(all) != 6 {
+		t.Fatalf("unset: %v %v", all, err)
+	}
+	t.Setenv("RBD_NBD_GO_SOAK_FAULTS", "upgrade, osd-cut")
+	if got, err := soakKinds(); err != nil || len(got) != 2 || got[0] != fUpgrade || got[1] != fUnreachable {
+		t.Fatalf("upgrade, osd-cut: %v %v", got, err)
+	}
+	t.Setenv("RBD_NBD_GO_SOAK_FAULTS", "upgrade,reboot")
+	if _, err := soakKinds(); err == nil || !strings.Contains(err.Error(), "daemon-kill") {
+		t.Fatalf("an unknown fault: %v", err)
+	}
+}

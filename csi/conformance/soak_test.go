@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -42,24 +43,34 @@ const (
 	fUnreachable = "OSD unreachable 15 s"
 )
 
+// faultNames: every fault, in the deck's order, and the short name
+// RBD_NBD_GO_SOAK_FAULTS knows it by.
+var faultNames = []struct{ short, kind string }{
+	{"daemon-kill", fDaemonKill}, {"pod-kill", fPodKill}, {"upgrade", fUpgrade},
+	{"stop", fStop}, {"osd-kill", fOSDKill}, {"osd-cut", fUnreachable},
+}
+
 // soakKinds are the faults dealt: all six, or those RBD_NBD_GO_SOAK_FAULTS
 // names (comma-separated short names, e.g. "upgrade" to measure only
 // the handover).
 func soakKinds() ([]string, error) {
-	all := []string{fDaemonKill, fPodKill, fUpgrade, fStop, fOSDKill, fUnreachable}
-	short := map[string]string{"daemon-kill": fDaemonKill, "pod-kill": fPodKill, "upgrade": fUpgrade,
-		"stop": fStop, "osd-kill": fOSDKill, "osd-cut": fUnreachable}
+	var kinds, shorts []string
+	for _, f := range faultNames {
+		shorts = append(shorts, f.short)
+	}
 	env := os.Getenv("RBD_NBD_GO_SOAK_FAULTS")
 	if env == "" {
-		return all, nil
-	}
-	var kinds []string
-	for _, n := range strings.Split(env, ",") {
-		k, ok := short[strings.TrimSpace(n)]
-		if !ok {
-			return nil, fmt.Errorf("RBD_NBD_GO_SOAK_FAULTS: no fault %q (daemon-kill, pod-kill, upgrade, stop, osd-kill, osd-cut)", n)
+		for _, f := range faultNames {
+			kinds = append(kinds, f.kind)
 		}
-		kinds = append(kinds, k)
+		return kinds, nil
+	}
+	for _, n := range strings.Split(env, ",") {
+		i := slices.Index(shorts, strings.TrimSpace(n))
+		if i < 0 {
+			return nil, fmt.Errorf("RBD_NBD_GO_SOAK_FAULTS: no fault %q (%s)", n, strings.Join(shorts, ", "))
+		}
+		kinds = append(kinds, faultNames[i].kind)
 	}
 	return kinds, nil
 }
