@@ -132,7 +132,8 @@ csi_map() { # csi_map IMAGE COOKIE [extra]
 # the socket it shut, "Connection timed out, retrying (N/M alive)" every
 # io-timeout), so a request the daemon never answers hangs its test until
 # the VM's timeout, and a CI run's tail then shows only the retries. So a
-# device timing out with live connections for HANG_SECS on end (no fault
+# device timing out with live connections, and completing no I/O, for
+# HANG_SECS on end (no fault
 # a test makes comes near: the soak's OSD restart stalls under a minute,
 # and a dead daemon leaves no connection alive) dumps what
 # explains it -- the daemon's slow-request lines, its goroutines (SIGQUIT
@@ -141,16 +142,25 @@ csi_map() { # csi_map IMAGE COOKIE [extra]
 # powers the VM off: the run fails in minutes, its tail saying why.
 hang_watch() {
 	local secs=${HANG_SECS:-180} out=${E2E_OUT:-$work}/hang first=() now dev line t
-	declare -A since=()
+	declare -A since=() done_io=()
 	while sleep 15; do
 		now=$(cut -d. -f1 /proc/uptime)
 		# nbd devices with a timeout in the last 30 s, by dmesg's clock
 		local hot
 		hot=$(dmesg 2>/dev/null | sed -n 's/^\[ *\([0-9]*\)\.[0-9]*\] block \(nbd[0-9]*\): Connection timed out, retrying ([1-9][0-9]*\/.*/\1 \2/p' |
 			awk -v now="$now" '$1 >= now - 30 {print $2}' | sort -u)
-		for dev in "${!since[@]}"; do grep -qx "$dev" <<<"$hot" || unset "since[$dev]"; done
+		for dev in "${!since[@]}"; do grep -qx "$dev" <<<"$hot" || unset "since[$dev]" "done_io[$dev]"; done
 		for dev in $hot; do
-			[ -n "${since[$dev]:-}" ] || since[$dev]=$now
+			# A hang makes no progress: completed reads and writes
+			# (stat fields 1 and 5) restart the clock. Faults one
+			# after another (the soak's, on a slow VM) keep a device
+			# timing out for minutes while its I/O goes on. (A request
+			# stuck while the rest complete is left to the test's own
+			# timeout.)
+			t=$(awk '{print $1 + $5}' /sys/block/$dev/stat 2>/dev/null)
+			if [ -z "${since[$dev]:-}" ] || [ "$t" != "${done_io[$dev]:-}" ]; then
+				since[$dev]=$now done_io[$dev]=$t
+			fi
 			[ $((now - since[$dev])) -ge "$secs" ] && { hang_dump "$dev" $((now - since[$dev])) "$out"; return; }
 		done
 	done
