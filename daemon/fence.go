@@ -22,10 +22,10 @@ import (
 // reattach waited about 27 s for every locked image. So each daemon
 // records its sessions' addresses in the state directory as it opens
 // them; the next daemon, once sure the recorder is gone, blocklists
-// them on its first session to the same cluster, before it opens any
-// image there. The OSDs drop the watches at once and refuse whatever
-// the dead process still had in flight, so no stale write can land
-// after the new owner's.
+// them on its first session to the same cluster, before any image there
+// takes a lock or writes (the opens read their headers meanwhile). The
+// OSDs drop the watches at once and refuse whatever the dead process
+// still had in flight, so no stale write can land after the new owner's.
 //
 // "Sure it is gone" is two proofs: we hold the state directory's flock,
 // which the old daemon held until its last descriptor closed; and the
@@ -226,43 +226,76 @@ func procStart(pid int) (uint64, error) {
 // fencer exists; then it passes them, and every later one, to it. The
 // fencer decides only once the directory is ours: it may fence a dead
 // predecessor's sessions through them, before any lock is asked for.
+//
+// Each session's fencing runs on its own, and the session's images
+// open meanwhile: rbdio makes them wait for it (the channel the Opened
+// hook returns) only before they take a lock or write. After a kill -9
+// the blocklist and the image opens overlap, instead of adding up.
 type earlySessions struct {
-	mu      sync.Mutex
-	f       *fencer
-	pending []earlySession
+	mu       sync.Mutex
+	f        *fencer
+	sessions []*earlySession // open, pending or handed to f
 }
 
 type earlySession struct {
 	fsid      string
 	addrs     []string
 	blocklist func(addr string, expire time.Duration) error
+	started   bool          // handed to the fencer
+	fenced    chan struct{} // closed once the fencer has had it
 }
 
 func (e *earlySessions) hooks() rbdio.SessionHooks {
 	return rbdio.SessionHooks{
-		Opened: func(s rbdio.Session) { e.opened(s.FSID, s.Addrs, s.Blocklist) },
+		Opened: func(s rbdio.Session) <-chan struct{} { return e.opened(s.FSID, s.Addrs, s.Blocklist) },
 		Closed: func(s rbdio.Session) { e.closed(s.Addrs) },
 	}
 }
 
-func (e *earlySessions) opened(fsid string, addrs []string, blocklist func(addr string, expire time.Duration) error) {
+// opened takes a new session: fenced at once if the fencer exists, else
+// once it does. The channel closes when that is done.
+func (e *earlySessions) opened(fsid string, addrs []string, blocklist func(addr string, expire time.Duration) error) <-chan struct{} {
+	s := &earlySession{fsid: fsid, addrs: addrs, blocklist: blocklist, fenced: make(chan struct{})}
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if e.f == nil {
-		e.pending = append(e.pending, earlySession{fsid, addrs, blocklist})
-		return
+	e.sessions = append(e.sessions, s)
+	if e.f != nil {
+		e.start(s)
 	}
-	e.f.opened(fsid, addrs, blocklist)
+	return s.fenced
 }
 
+// start hands s to the fencer, in the background. Under e.mu.
+func (e *earlySessions) start(s *earlySession) {
+	s.started = true
+	f := e.f
+	go func() {
+		f.opened(s.fsid, s.addrs, s.blocklist)
+		close(s.fenced)
+	}()
+}
+
+// closed forgets a session shut down cleanly, after its fencing (its
+// record then goes, not the other way round).
 func (e *earlySessions) closed(addrs []string) {
 	e.mu.Lock()
-	defer e.mu.Unlock()
-	if e.f == nil {
-		e.pending = slices.DeleteFunc(e.pending, func(p earlySession) bool { return slices.Equal(p.addrs, addrs) })
-		return
+	var s *earlySession
+	if i := slices.IndexFunc(e.sessions, func(s *earlySession) bool { return slices.Equal(s.addrs, addrs) }); i >= 0 {
+		s = e.sessions[i]
+		e.sessions = slices.Delete(e.sessions, i, i+1)
 	}
-	e.f.closed(addrs)
+	f := e.f
+	e.mu.Unlock()
+	switch {
+	case s != nil && !s.started:
+		close(s.fenced) // never the fencer's: nothing recorded
+		return
+	case s != nil:
+		<-s.fenced
+	}
+	if f != nil {
+		f.closed(addrs)
+	}
 }
 
 // attach hands the pending sessions, and every later one, to f.
@@ -270,8 +303,9 @@ func (e *earlySessions) attach(f *fencer) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	e.f = f
-	for _, s := range e.pending {
-		f.opened(s.fsid, s.addrs, s.blocklist)
+	for _, s := range e.sessions {
+		if !s.started {
+			e.start(s)
+		}
 	}
-	e.pending = nil
 }

@@ -188,9 +188,15 @@ func TestEarlySessionsWaitForTheFencer(t *testing.T) {
 	runDaemon(t, dir, 100, alive(), map[string][]string{"A": {"1.1.1.1:0/1"}}, false)
 	var e earlySessions
 	early, gone := &fakeCluster{}, &fakeCluster{}
-	e.opened("A", []string{"1.1.1.1:0/5"}, early.blocklist)
-	e.opened("A", []string{"1.1.1.1:0/6"}, gone.blocklist)
+	fenced5 := e.opened("A", []string{"1.1.1.1:0/5"}, early.blocklist)
+	fenced6 := e.opened("A", []string{"1.1.1.1:0/6"}, gone.blocklist)
 	e.closed([]string{"1.1.1.1:0/6"})
+	<-fenced6 // closed, never fenced through: nothing waits for it
+	select {
+	case <-fenced5:
+		t.Fatal("a session counted as fenced before the directory was ours")
+	case <-time.After(50 * time.Millisecond):
+	}
 	if len(early.calls) != 0 {
 		t.Fatalf("fenced before the directory was ours: %+v", early.calls)
 	}
@@ -199,11 +205,12 @@ func TestEarlySessionsWaitForTheFencer(t *testing.T) {
 		t.Fatal(err)
 	}
 	e.attach(f)
+	<-fenced5 // its images may lock and write from here
 	if !slices.Equal(early.addrs(), []string{"1.1.1.1:0/1"}) || len(gone.calls) != 0 {
 		t.Fatalf("fenced through the early session %v, the closed one %v; want the dead daemon's", early.addrs(), gone.addrs())
 	}
 	later := &fakeCluster{}
-	e.opened("A", []string{"1.1.1.1:0/7"}, later.blocklist)
+	<-e.opened("A", []string{"1.1.1.1:0/7"}, later.blocklist)
 	var rec sessionsFile
 	b, _ := os.ReadFile(dir + "/sessions.json")
 	json.Unmarshal(b, &rec)

@@ -33,8 +33,15 @@ type Clusters struct {
 // connect, before any image opens on it (so the node daemon can record
 // the session's address, and fence a dead predecessor's, before it asks
 // for any lock); Closed after a clean shutdown. Either may be nil.
+//
+// Opened may return a channel that closes once the session may write
+// (its fencing done). An image's open reads its header meanwhile, and
+// waits for it before it takes a lock or returns (a Deferred open: in
+// Activate); every other call on the session waits for it first. After
+// a kill -9 the blocklist and the opens then overlap, instead of adding
+// up while every device waits.
 type SessionHooks struct {
-	Opened func(Session)
+	Opened func(Session) <-chan struct{}
 	Closed func(Session)
 }
 
@@ -42,7 +49,9 @@ type clusterRef struct {
 	ready chan struct{} // closed once the connect ended (conn or err set)
 	conn  *rados.Conn
 	err   error
-	refs  int // callers holding conn, and (before ready) waiting for it
+	// fenced: from the Opened hook (nil: nothing to wait for)
+	fenced <-chan struct{}
+	refs   int // callers holding conn, and (before ready) waiting for it
 	// images counts the images open on conn (Open to Close): a gauge of
 	// the node daemon's metrics.
 	images int
@@ -78,15 +87,17 @@ func (c *Clusters) Connections() []Connection {
 
 // imageIOCtx is ioctx for an image being opened: the connection counts
 // it from here until the release (which runs once, whichever path
-// calls it).
-func (c *Clusters) imageIOCtx(o ceph.Options, spec ceph.ImageSpec) (*rados.IOContext, func(), error) {
-	ioctx, release, err := c.ioctx(o, spec)
+// calls it). It does not wait for the session's fencing (SessionHooks)
+// but returns it: the image may read before it closes, not write nor
+// take a lock.
+func (c *Clusters) imageIOCtx(o ceph.Options, spec ceph.ImageSpec) (*rados.IOContext, <-chan struct{}, func(), error) {
+	ioctx, fenced, release, err := c.ioctxOn(o, spec, false)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	c.imageOpened(o, 1)
 	var once sync.Once
-	return ioctx, func() { once.Do(func() { c.imageOpened(o, -1); release() }) }, nil
+	return ioctx, fenced, func() { once.Do(func() { c.imageOpened(o, -1); release() }) }, nil
 }
 
 // imageOpened counts an image in or out of the connection o names.
@@ -114,8 +125,21 @@ func NewClustersWith(h SessionHooks) *Clusters {
 	return &Clusters{conns: map[ceph.Options]*clusterRef{}, hooks: h}
 }
 
-// get returns a connected handle for o and a release function.
+// get returns a connected handle for o, its fencing done, and a
+// release function.
 func (c *Clusters) get(o ceph.Options) (*rados.Conn, func(), error) {
+	conn, fenced, release, err := c.session(o)
+	if err != nil {
+		return nil, nil, err
+	}
+	if fenced != nil {
+		<-fenced
+	}
+	return conn, release, nil
+}
+
+// session is get without the wait for its fencing, which it returns.
+func (c *Clusters) session(o ceph.Options) (*rados.Conn, <-chan struct{}, func(), error) {
 	o = c.norm(o)
 	c.mu.Lock()
 	ref, ok := c.conns[o]
@@ -125,9 +149,9 @@ func (c *Clusters) get(o ceph.Options) (*rados.Conn, func(), error) {
 		<-ref.ready
 		if ref.err != nil {
 			c.drop(o, ref)
-			return nil, nil, ref.err
+			return nil, nil, nil, ref.err
 		}
-		return ref.conn, c.releaser(o, ref), nil
+		return ref.conn, ref.fenced, c.releaser(o, ref), nil
 	}
 	ref = &clusterRef{ready: make(chan struct{}), refs: 1}
 	c.conns[o] = ref
@@ -142,13 +166,13 @@ func (c *Clusters) get(o ceph.Options) (*rados.Conn, func(), error) {
 		ref.refs--
 		c.mu.Unlock()
 		close(ref.ready)
-		return nil, nil, ref.err
+		return nil, nil, nil, ref.err
 	}
 	if c.hooks.Opened != nil {
-		c.hooks.Opened(sessionOf(ref.conn))
+		ref.fenced = c.hooks.Opened(sessionOf(ref.conn))
 	}
 	close(ref.ready)
-	return ref.conn, c.releaser(o, ref), nil
+	return ref.conn, ref.fenced, c.releaser(o, ref), nil
 }
 
 // drop is a waiter's release of a connect that failed.
@@ -161,20 +185,31 @@ func (c *Clusters) drop(o ceph.Options, ref *clusterRef) {
 // ioctx opens spec's pool (and namespace) on the shared connection; the
 // release function destroys the ioctx and drops the connection reference.
 func (c *Clusters) ioctx(o ceph.Options, spec ceph.ImageSpec) (*rados.IOContext, func(), error) {
-	conn, release, err := c.get(o)
+	ioctx, _, release, err := c.ioctxOn(o, spec, true)
+	return ioctx, release, err
+}
+
+// ioctxOn is ioctx, waiting for the session's fencing or (wait false)
+// returning it.
+func (c *Clusters) ioctxOn(o ceph.Options, spec ceph.ImageSpec, wait bool) (*rados.IOContext, <-chan struct{}, func(), error) {
+	conn, fenced, release, err := c.session(o)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
+	}
+	if wait && fenced != nil {
+		<-fenced
+		fenced = nil
 	}
 	ioctx, err := conn.OpenIOContext(spec.Pool)
 	if err != nil {
 		release()
 		if cephErrno(err) == syscall.ENOENT {
-			return nil, nil, matching{fmt.Errorf("pool %q does not exist", spec.Pool), ceph.ErrPoolNotFound}
+			return nil, nil, nil, matching{fmt.Errorf("pool %q does not exist", spec.Pool), ceph.ErrPoolNotFound}
 		}
-		return nil, nil, fmt.Errorf("pool %q: %w", spec.Pool, err)
+		return nil, nil, nil, fmt.Errorf("pool %q: %w", spec.Pool, err)
 	}
 	ioctx.SetNamespace(spec.Namespace)
-	return ioctx, func() { ioctx.Destroy(); release() }, nil
+	return ioctx, fenced, func() { ioctx.Destroy(); release() }, nil
 }
 
 func (c *Clusters) releaser(o ceph.Options, ref *clusterRef) func() {

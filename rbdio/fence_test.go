@@ -7,6 +7,7 @@ import (
 	"os/exec"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -42,8 +43,9 @@ func TestHelperHoldLock(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cl := NewClustersWith(SessionHooks{Opened: func(s Session) {
+	cl := NewClustersWith(SessionHooks{Opened: func(s Session) <-chan struct{} {
 		fmt.Printf("session %s %s\n", s.FSID, strings.Join(s.Addrs, " "))
+		return nil
 	}})
 	im, err := Open(cl, ceph.Options{Conf: os.Getenv("CEPH_CONF"), OpTimeout: 20 * time.Second}, sp, OpenOptions{Exclusive: true})
 	if err != nil {
@@ -125,14 +127,22 @@ func TestDeferredImageClosesAtOnceAfterOwnerKilled(t *testing.T) {
 func TestFencedOwnersLockBreaksAtOnce(t *testing.T) {
 	spec := newImage(t, "8M")
 	dead := killedOwner(t, spec)
-	fenced := false
-	cl := NewClustersWith(SessionHooks{Opened: func(s Session) {
-		for _, a := range dead {
-			if err := s.Blocklist(a, time.Minute); err != nil {
-				t.Error(err)
+	// The fence runs beside the open, as the node daemon's does, and
+	// late: the open must wait for it before it asks for the lock.
+	var fenced atomic.Bool
+	cl := NewClustersWith(SessionHooks{Opened: func(s Session) <-chan struct{} {
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			time.Sleep(time.Second)
+			for _, a := range dead {
+				if err := s.Blocklist(a, time.Minute); err != nil {
+					t.Error(err)
+				}
 			}
-		}
-		fenced = true
+			fenced.Store(true)
+		}()
+		return done
 	}})
 	t0 := time.Now()
 	im, err := Open(cl, opts(), spec, OpenOptions{Exclusive: true})
@@ -140,6 +150,9 @@ func TestFencedOwnersLockBreaksAtOnce(t *testing.T) {
 		t.Fatalf("exclusive open after fencing the dead owner: %v", err)
 	}
 	defer im.Close()
+	if !fenced.Load() {
+		t.Fatal("the open returned before its session's fence ended")
+	}
 	// Unfenced, librbd waits out the dead session's watch (30 s here,
 	// osd_client_watch_timeout): a take well under it is the fencing.
 	took := time.Since(t0)
@@ -147,11 +160,54 @@ func TestFencedOwnersLockBreaksAtOnce(t *testing.T) {
 	if took > 15*time.Second {
 		t.Errorf("the lock waited %s: the dead owner's watch was not dropped by the blocklist", took)
 	}
-	if !fenced {
-		t.Fatal("the session hook did not run")
-	}
 	out, err := cluster.Ceph("osd", "blocklist", "ls")
 	if err != nil || !strings.Contains(out, dead[0]) {
 		t.Fatalf("blocklist: %v %s", err, out)
+	}
+}
+
+// TestDeferredOpenFencesInActivate: an open ahead of a handover runs
+// before the new daemon's fencer exists, so it must not wait for its
+// session's fence; taking the lock (Activate) must.
+func TestDeferredOpenFencesInActivate(t *testing.T) {
+	spec := newImage(t, "8M")
+	gate := make(chan struct{})
+	cl := NewClustersWith(SessionHooks{Opened: func(Session) <-chan struct{} { return gate }})
+	im, err := Open(cl, opts(), spec, OpenOptions{Exclusive: true, Deferred: true})
+	if err != nil {
+		t.Fatalf("a deferred open waited for, or failed before, its session's fence: %v", err)
+	}
+	defer im.Close()
+	activated := make(chan error, 1)
+	go func() { activated <- im.Activate() }()
+	select {
+	case err := <-activated:
+		t.Fatalf("Activate took the lock before the session's fence ended (err %v)", err)
+	case <-time.After(500 * time.Millisecond):
+	}
+	close(gate)
+	if err := <-activated; err != nil {
+		t.Fatalf("Activate after the fence: %v", err)
+	}
+}
+
+// TestOpenWaitsForFence: an open that is not deferred returns only once
+// its session's fence has ended (it took the lock after it), while its
+// header reads went ahead.
+func TestOpenWaitsForFence(t *testing.T) {
+	spec := newImage(t, "8M")
+	gate := make(chan struct{})
+	var closed atomic.Bool
+	cl := NewClustersWith(SessionHooks{Opened: func(Session) <-chan struct{} {
+		time.AfterFunc(time.Second, func() { closed.Store(true); close(gate) })
+		return gate
+	}})
+	im, err := Open(cl, opts(), spec, OpenOptions{Exclusive: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer im.Close()
+	if !closed.Load() {
+		t.Fatal("the open took its lock before its session's fence ended")
 	}
 }

@@ -87,6 +87,9 @@ type Image struct {
 	}
 
 	release func() // cluster connection reference and ioctx
+	// fenced closes once the session may write (SessionHooks); nil
+	// once waited for, or when there is nothing to wait for.
+	fenced <-chan struct{}
 
 	quiesce *quiescer
 	// phase: whether this open acts as the image's owner (lock.go);
@@ -108,12 +111,12 @@ type slot struct {
 
 // Open opens spec on the cluster described by o.
 func Open(clusters *Clusters, o ceph.Options, spec ceph.ImageSpec, oo OpenOptions) (*Image, error) {
-	ioctx, release, err := clusters.imageIOCtx(o, spec)
+	ioctx, fenced, release, err := clusters.imageIOCtx(o, spec)
 	if err != nil {
 		return nil, err
 	}
 	im := &Image{spec: spec, readOnly: oo.ReadOnly || spec.Snap != "", onResize: oo.OnResize,
-		efd: -1, wfd: -1, release: release}
+		efd: -1, wfd: -1, release: release, fenced: fenced}
 	im.idle.L = &im.mu
 	if im.img, err = openImage(ioctx, spec.Image, spec.Snap, im.readOnly); err != nil {
 		im.release()
@@ -157,6 +160,11 @@ func (im *Image) start(oo OpenOptions) error {
 	im.fastDiff = im.img.fastDiff()
 	im.img.openView()
 	im.loans = newLoanPool()
+	if !oo.Deferred {
+		// What follows may write (librbd takes the lock on a first
+		// write); a Deferred open waits in Activate.
+		im.waitFenced()
+	}
 	if oo.Exclusive {
 		if im.readOnly {
 			return fmt.Errorf("image %s: --exclusive needs a writable image", im.spec)

@@ -28,6 +28,7 @@ func (im *Image) Activate() error {
 	if im.phase.Load() != phaseDeferred {
 		return nil
 	}
+	im.waitFenced()
 	if im.exclusive {
 		if err := im.lockExclusive(); err != nil {
 			return err
@@ -35,6 +36,16 @@ func (im *Image) Activate() error {
 	}
 	im.phase.Store(phaseOwner)
 	return nil
+}
+
+// waitFenced waits until the image's session may write: a dead
+// predecessor's sessions fenced (SessionHooks). Open and Activate call
+// it before anything that may write or take a lock.
+func (im *Image) waitFenced() {
+	if im.fenced != nil {
+		<-im.fenced
+		im.fenced = nil
+	}
 }
 
 func (im *Image) lockExclusive() error {
