@@ -243,7 +243,7 @@ scenario_j() { # LUKS through librbd and --exclusive: encrypted at rest, wrong p
 	kill -9 "$pid"; sleep 1
 	check "list-mapped after kill -9 starts a daemon that reattaches it" eval '$B list-mapped > $work/lm && grep -q "$dev" $work/lm && [ "$(cat /run/rbd-nbd-go/daemon.lock)" != "$pid" ]'
 	local n=$(nproc)
-	check "it reattached all $n connections, no more" eval 'grep "msg=attached device=$dev" /run/rbd-nbd-go/daemon.log | tail -1 | grep -q "connections=$n\$"'
+	check "it reattached all $n connections, no more" eval 'grep "msg=attached device=$dev" /run/rbd-nbd-go/daemon.log | tail -1 | grep -qE "connections=$n( |\$)"'
 	check "the new daemon holds the exclusive lock" eval 'rbd lock ls rbd/vol-j 2>/dev/null | grep -q "1 exclusive lock"'
 	check "the marker reads back decrypted" eval 'dd if=$dev bs=1M count=1 iflag=direct status=none > $work/back && cmp $work/marker $work/back'
 	check "unmap" $B unmap "$dev"
