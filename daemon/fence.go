@@ -227,10 +227,11 @@ func procStart(pid int) (uint64, error) {
 // fencer decides only once the directory is ours: it may fence a dead
 // predecessor's sessions through them, before any lock is asked for.
 //
-// Each session's fencing runs on its own, and the session's images
-// open meanwhile: rbdio makes them wait for it (the channel the Opened
-// hook returns) only before they take a lock or write. After a kill -9
-// the blocklist and the image opens overlap, instead of adding up.
+// Each session's fencing runs in the background (the fencer takes them
+// one at a time), and the session's images open meanwhile: rbdio makes
+// them wait for it (the channel the Opened hook returns) only before
+// they take a lock or write. After a kill -9 the blocklist and the image
+// opens overlap, instead of adding up.
 type earlySessions struct {
 	mu       sync.Mutex
 	f        *fencer
@@ -280,7 +281,11 @@ func (e *earlySessions) start(s *earlySession) {
 func (e *earlySessions) closed(addrs []string) {
 	e.mu.Lock()
 	var s *earlySession
-	if i := slices.IndexFunc(e.sessions, func(s *earlySession) bool { return slices.Equal(s.addrs, addrs) }); i >= 0 {
+	// A session without addresses (rados_getaddrs failed) cannot be told
+	// from another such: it stays listed, and its fencing is not cut short.
+	if i := slices.IndexFunc(e.sessions, func(s *earlySession) bool {
+		return len(addrs) > 0 && slices.Equal(s.addrs, addrs)
+	}); i >= 0 {
 		s = e.sessions[i]
 		e.sessions = slices.Delete(e.sessions, i, i+1)
 	}

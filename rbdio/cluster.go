@@ -171,6 +171,15 @@ func (c *Clusters) session(o ceph.Options) (*rados.Conn, <-chan struct{}, func()
 	if c.hooks.Opened != nil {
 		ref.fenced = c.hooks.Opened(sessionOf(ref.conn))
 	}
+	if ref.fenced != nil {
+		// The fencing uses the connection: it keeps a reference of its
+		// own until it ends, so that no last release shuts the
+		// connection down under it (an open that failed meanwhile).
+		c.mu.Lock()
+		ref.refs++
+		c.mu.Unlock()
+		go func(fenced <-chan struct{}, release func()) { <-fenced; release() }(ref.fenced, c.releaser(o, ref))
+	}
 	close(ref.ready)
 	return ref.conn, ref.fenced, c.releaser(o, ref), nil
 }

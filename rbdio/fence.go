@@ -67,14 +67,5 @@ func (s Session) Blocklist(addr string, expire time.Duration) error {
 	if _, st, err := s.conn.MonCommand(cmd); err != nil {
 		return fmt.Errorf("blocklist %s: %s: %w", addr, strings.TrimSpace(st), err)
 	}
-	// As librbd's own BreakRequest does after its blocklist: every op
-	// this session sends from now on carries the map that has the entry,
-	// and an OSD applies that map before it answers (dropping the dead
-	// client's watches). Without it the lock break's watcher check could
-	// reach an OSD still on the older map, see the dead owner's watch,
-	// and leave librbd asking a dead owner for its lock: seconds on a
-	// slow host, while every device waits. The fence holds whatever
-	// this wait answers: a failed wait costs only that time.
-	_ = s.conn.WaitForLatestOSDMap()
 	return nil
 }

@@ -211,3 +211,34 @@ func TestOpenWaitsForFence(t *testing.T) {
 		t.Fatal("the open took its lock before its session's fence ended")
 	}
 }
+
+// TestFenceOutlivesAFailedOpen: a fence still running when the only open
+// on its session fails keeps the connection up until it ends (the open's
+// release must not shut it down under the blocklist), and lets it go
+// then.
+func TestFenceOutlivesAFailedOpen(t *testing.T) {
+	done := make(chan struct{})
+	var blErr error
+	cl := NewClustersWith(SessionHooks{Opened: func(s Session) <-chan struct{} {
+		go func() {
+			defer close(done)
+			time.Sleep(500 * time.Millisecond)
+			blErr = s.Blocklist("127.0.0.1:0/1", time.Minute)
+		}()
+		return done
+	}})
+	spec := newImage(t, "8M")
+	spec.Image += "-missing"
+	if _, err := Open(cl, opts(), spec, OpenOptions{Exclusive: true}); err == nil {
+		t.Fatal("opened an image that does not exist")
+	}
+	<-done
+	if blErr != nil {
+		t.Fatalf("the fence, after the open failed: %v", blErr)
+	}
+	for deadline := time.Now().Add(5 * time.Second); len(cl.Connections()) > 0; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the connection outlived its fence: %+v", cl.Connections())
+		}
+	}
+}

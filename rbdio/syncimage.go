@@ -16,11 +16,15 @@ type SyncImage struct {
 	img     *rbd.Image
 	size    uint64
 	release func()
+	fenced  <-chan struct{} // the session's fencing (SessionHooks)
 }
 
-// OpenSync opens spec read-write through go-ceph.
+// OpenSync opens spec read-write through go-ceph. As an Image's, the
+// open does not wait for its session's fencing (it may come ahead of a
+// handover, before the fencer exists); its first write, trim or flush
+// does.
 func OpenSync(clusters *Clusters, o ceph.Options, spec ceph.ImageSpec) (*SyncImage, error) {
-	ioctx, release, err := clusters.ioctx(o, spec)
+	ioctx, fenced, release, err := clusters.ioctxOn(o, spec, false)
 	if err != nil {
 		return nil, err
 	}
@@ -28,7 +32,7 @@ func OpenSync(clusters *Clusters, o ceph.Options, spec ceph.ImageSpec) (*SyncIma
 	if err == nil {
 		var size uint64
 		if size, err = img.GetSize(); err == nil {
-			return &SyncImage{img: img, size: size, release: release}, nil
+			return &SyncImage{img: img, size: size, release: release, fenced: fenced}, nil
 		}
 		img.Close()
 	}
@@ -36,13 +40,24 @@ func OpenSync(clusters *Clusters, o ceph.Options, spec ceph.ImageSpec) (*SyncIma
 	return nil, fmt.Errorf("open image %s: %w", spec, err)
 }
 
-func (s *SyncImage) Size() uint64                             { return s.size }
-func (s *SyncImage) ReadAt(p []byte, off int64) (int, error)  { return s.img.ReadAt(p, off) }
-func (s *SyncImage) WriteAt(p []byte, off int64) (int, error) { return s.img.WriteAt(p, off) }
-func (s *SyncImage) Flush() error                             { return s.img.Flush() }
+func (s *SyncImage) Size() uint64                            { return s.size }
+func (s *SyncImage) ReadAt(p []byte, off int64) (int, error) { return s.img.ReadAt(p, off) }
+func (s *SyncImage) WriteAt(p []byte, off int64) (int, error) {
+	s.waitFenced()
+	return s.img.WriteAt(p, off)
+}
+func (s *SyncImage) Flush() error { s.waitFenced(); return s.img.Flush() }
 func (s *SyncImage) Trim(off, n int64) error {
+	s.waitFenced()
 	_, err := s.img.Discard(uint64(off), uint64(n))
 	return err
+}
+
+// waitFenced: a receive from a closed channel, once the fencing ended.
+func (s *SyncImage) waitFenced() {
+	if s.fenced != nil {
+		<-s.fenced
+	}
 }
 
 func (s *SyncImage) Close() error {
