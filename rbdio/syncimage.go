@@ -2,6 +2,7 @@ package rbdio
 
 import (
 	"fmt"
+	"sync/atomic"
 
 	"github.com/ceph/go-ceph/rbd"
 
@@ -17,6 +18,9 @@ type SyncImage struct {
 	size    uint64
 	release func()
 	fenced  <-chan struct{} // the session's fencing (SessionHooks)
+	// writable: fenced was seen closed, so a request pays one atomic
+	// load, not a channel receive (each takes the channel's lock)
+	writable atomic.Bool
 }
 
 // OpenSync opens spec read-write through go-ceph. As an Image's, the
@@ -53,10 +57,12 @@ func (s *SyncImage) Trim(off, n int64) error {
 	return err
 }
 
-// waitFenced: a receive from a closed channel, once the fencing ended.
+// waitFenced waits for the session's fencing before the first write;
+// after it, only the flag is read.
 func (s *SyncImage) waitFenced() {
-	if s.fenced != nil {
+	if s.fenced != nil && !s.writable.Load() {
 		<-s.fenced
+		s.writable.Store(true)
 	}
 }
 
