@@ -314,6 +314,16 @@ line_ms() {
 }
 # log_ms PATTERN: epoch ms of the last daemon.log line matching PATTERN
 log_ms() { line_ms "$(grep -a -- "$1" /run/rbd-nbd-go/daemon.log | tail -1)"; }
+# stop_app POD: create stop on POD's volume, through the kubelet's mount
+# of it on this node (the script runs there): no exec into the pod
+stop_app() {
+	local d
+	for d in /var/lib/kubelet/pods/"$(jp pod "$1" '{.metadata.uid}')"/volumes/kubernetes.io~csi/*/mount; do
+		touch "$d/stop" && return 0
+	done
+	echo "no mount of $1's volume under /var/lib/kubelet" >"$work/why"
+	return 1
+}
 scenario_f() {
 	local np pids plugin_start steps l w slow bound t t_roll t_kill t_term ready_roll ready_kill ready_term restart_kill s_roll s_kill s_term s_hand h0 h1 paused
 	pvc f 512Mi rbd-nbd-go-ext4
@@ -390,9 +400,7 @@ scenario_f() {
 	# completed and been logged, then is told to stop.
 	sleep 15
 	check "... while the app still ran: every fault was measured" wait_jp 5 pod f '{.status.phase}' '^Running$'
-	# (a file on its volume, through the kubelet's mount of it on this
-	# node: no exec into the pod needed)
-	check "... and the app is told to stop" eval 'touch /var/lib/kubelet/pods/$(jp pod f "{.metadata.uid}")/volumes/kubernetes.io~csi/*/mount/stop'
+	check "... and the app is told to stop" stop_app f
 	check "the app finishes: zero I/O errors, fs read-write" pod_done 400 f
 	log "    app: $(cut -c1-400 "$work/msg")"
 	s_roll=$(stall_after "$t_roll" "$t_kill")
