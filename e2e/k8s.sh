@@ -325,7 +325,7 @@ stop_app() {
 	return 1
 }
 scenario_f() {
-	local np pids plugin_start steps l w slow bound t t_roll t_kill t_term ready_roll ready_kill ready_term restart_kill s_roll s_kill s_term s_hand h0 h1 paused
+	local np pids plugin_start steps l w slow bound paused_ms t t_roll t_kill t_term ready_roll ready_kill ready_term restart_kill s_roll s_kill s_term s_hand h0 h1 paused
 	pvc f 512Mi rbd-nbd-go-ext4
 	check "PVC Bound" wait_jp 300 pvc f '{.status.phase}' '^Bound$'
 	# fio verify (libaio QD16) plus a 4k write+fdatasync loop; the
@@ -440,10 +440,14 @@ scenario_f() {
 	# Bounds for TCG. Kill and delete: twice the target (10 s); the kill's
 	# counted from the container's restart, which is the kubelet's and
 	# which the soak's kill rows, restarting the plugin themselves, leave
-	# out too. The handover's is looser than twice its target (1 s): here
-	# a new pod's start alone stalls this app up to 6 s, and the
-	# handover's bound is the 8 s request timer it avoids.
-	# The kill's and the delete's bounds scale with this run's box, as a
+	# out too. The handover's own part, the spell its sockets went
+	# unread, is held to twice its target (1 s). The app's stall around
+	# it is looser: here a new pod's start alone stalls this app up to
+	# 6 s, and on a slow box the kernel's timer may fire on the old
+	# daemon just before (seen: a request retried 5 s before a handover
+	# that left the sockets unread 239 ms, 8.7 s around it); its bound
+	# is the 8 s request timer the handover avoids.
+	# The kill's, the delete's and that bound scale with this run's box, as a
 	# benchmark's ratio does with its peer: the kubelet's restart of the
 	# container (noticing the death, creating and starting it: none of
 	# it ours) takes about 6 s on this VM on a quiet host, and 11-17 s
@@ -452,7 +456,11 @@ scenario_f() {
 	slow=$(( restart_kill < 6000 ? 6000 : restart_kill > 18000 ? 18000 : restart_kill ))
 	bound=$(( 20000 * slow / 6000 ))
 	log "    bounds for the kill and the delete: $bound ms (20 s x $((slow / 60))% : the kubelet's restart took $restart_kill ms, against 6 s on a quiet host)"
-	check "the handover stalled I/O under 8 s (target 1 s)" eval "[ -n '$h0' ] && [ $s_hand -lt 8000 ] || { echo $s_hand ms >$work/why; false; }"
+	# reads_paused_for is a Go duration: 239ms, 1.2s
+	paused_ms=$(python3 -c 'import re, sys; m = re.fullmatch(r"([0-9.]+)(ms|s)", sys.argv[1]); print(round(float(m[1]) * (1 if m[2] == "ms" else 1000)) if m else "")' "${paused:-}")
+	check "the handover left the sockets unread under 2 s (target 1 s)" eval "[ -n '$paused_ms' ] && [ '$paused_ms' -lt 2000 ] || { echo 'unread ${paused:-?}' >$work/why; false; }"
+	check "... and stalled I/O around it under 8 s x the box's slowness" \
+		eval "[ -n '$h0' ] && [ $s_hand -lt $((8000 * slow / 6000)) ] || { echo $s_hand ms over $((8000 * slow / 6000)) >$work/why; false; }"
 	check "kill -9 stalled I/O under 20 s x the box's slowness once the kubelet restarted the container (target 10 s)" \
 		eval "[ $restart_kill -gt 0 ] && [ $((s_kill - restart_kill)) -lt $bound ] || { echo \"$((s_kill - restart_kill)) ms over $bound: \$steps\" >$work/why; false; }"
 	check "pod delete stalled I/O under 20 s x the box's slowness (a handover, or the 8 s timer)" \
