@@ -456,8 +456,7 @@ scenario_f() {
 	slow=$(( restart_kill < 6000 ? 6000 : restart_kill > 18000 ? 18000 : restart_kill ))
 	bound=$(( 20000 * slow / 6000 ))
 	log "    bounds for the kill and the delete: $bound ms (20 s x $((slow / 60))% : the kubelet's restart took $restart_kill ms, against 6 s on a quiet host)"
-	# reads_paused_for is a Go duration: 239ms, 1.2s
-	paused_ms=$(python3 -c 'import re, sys; m = re.fullmatch(r"([0-9.]+)(ms|s)", sys.argv[1]); print(round(float(m[1]) * (1 if m[2] == "ms" else 1000)) if m else "")' "${paused:-}")
+	paused_ms=$([ -n "${paused:-}" ] && dur_ms <<<"$paused")
 	check "the handover left the sockets unread under 2 s (target 1 s)" eval "[ -n '$paused_ms' ] && [ '$paused_ms' -lt 2000 ] || { echo 'unread ${paused:-?}' >$work/why; false; }"
 	check "... and stalled I/O around it under 8 s x the box's slowness" \
 		eval "[ -n '$h0' ] && [ $s_hand -lt $((8000 * slow / 6000)) ] || { echo $s_hand ms over $((8000 * slow / 6000)) >$work/why; false; }"
