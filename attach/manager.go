@@ -40,6 +40,9 @@ type Config struct {
 	// Keys keeps encrypted devices' passphrases; nil means the kernel's
 	// user keyring.
 	Keys Keys
+	// KernelRelease is the running kernel's (kernel.Release() if empty):
+	// a resend interval needs 5.7 or later.
+	KernelRelease string
 }
 
 // Manager serves every NBD device of the node.
@@ -107,6 +110,9 @@ func NewManager(cfg Config) *Manager {
 	if cfg.ReattachWait <= 0 {
 		cfg.ReattachWait = 10 * time.Second
 	}
+	if cfg.KernelRelease == "" {
+		cfg.KernelRelease = kernel.Release()
+	}
 	if cfg.Keys == nil {
 		cfg.Keys = keyring.Kernel{Prefix: "rbd-nbd-go:"}
 	}
@@ -146,12 +152,24 @@ func (m *Manager) sysfs(index int, attr ...string) string {
 }
 
 // tuneQueue raises max_sectors_kb so large I/O reaches us unsplit (the
-// kernel's default caps it at 1280 KiB; RBD objects are 4 MiB).
+// kernel's default caps it at 1280 KiB; RBD objects are 4 MiB), and sets
+// the block layer's request timer to the resend interval. NBD's own
+// timeout being 0, that timer never fails or retries a request on a
+// live socket; it only resends one whose socket was replaced (see
+// control.MapOptions.ResendInterval). Only sysfs sets it apart from
+// NBD's timeout, which would set both. Failing, the device keeps the
+// kernel's 30 s: slower after a restart, never less safe.
 func (m *Manager) tuneQueue(rec control.Record) {
+	q := m.sysfs(rec.Index, "queue")
+	if rec.ResendInterval > 0 {
+		ms := strconv.FormatInt(rec.ResendInterval.Milliseconds(), 10)
+		if err := os.WriteFile(filepath.Join(q, "io_timeout"), []byte(ms), 0); err != nil {
+			m.log.Warn("cannot set the resend interval; the kernel's 30 s stays", "device", rec.Device(), "err", err)
+		}
+	}
 	if rec.MaxSectorsKB <= 0 {
 		return
 	}
-	q := m.sysfs(rec.Index, "queue")
 	want := rec.MaxSectorsKB
 	if b, err := os.ReadFile(filepath.Join(q, "max_hw_sectors_kb")); err == nil {
 		if hw, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && hw < want {

@@ -122,6 +122,45 @@ func TestMapFlagsFollowOptions(t *testing.T) {
 	}
 }
 
+// TestMapResendInterval: the resend interval becomes the queue's
+// request timer, and a kernel older than 5.7 is refused before anything
+// is made.
+func TestMapResendInterval(t *testing.T) {
+	r := newRig(t)
+	m := NewManager(Config{Kernel: r.k, Store: r.store, SysBlock: r.sys, Dev: filepath.Join(r.dir, "dev"),
+		KernelRelease: "6.1.0-28-amd64"})
+	t.Cleanup(func() { m.Close() })
+	opts := control.MapOptions{Connections: 1, ResendInterval: 3 * time.Second}
+	rec, err := m.Map(control.Record{Index: 1, Spec: "mem:1M", MapOptions: opts})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b, _ := os.ReadFile(filepath.Join(r.sys, "nbd1", "queue", "io_timeout")); string(b) != "3000" {
+		t.Fatalf("io_timeout %q", b)
+	}
+	if d := r.k.dev(t, rec.Index); d.cfg.Timeout != 0 {
+		t.Fatalf("NBD timeout %v, want 0", d.cfg.Timeout)
+	}
+	// Without a resend interval the queue's timer is left alone.
+	if _, err := m.Map(control.Record{Index: 2, Spec: "mem:1M", MapOptions: control.MapOptions{Connections: 1}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(r.sys, "nbd2", "queue", "io_timeout")); !os.IsNotExist(err) {
+		t.Fatalf("io_timeout written without a resend interval: %v", err)
+	}
+
+	old := NewManager(Config{Kernel: r.k, Store: r.store, SysBlock: r.sys, Dev: filepath.Join(r.dir, "dev"),
+		KernelRelease: "5.4.0-216-generic"})
+	t.Cleanup(func() { old.Close() })
+	_, err = old.Map(control.Record{Index: 3, Spec: "mem:1M", MapOptions: opts})
+	if err == nil || !strings.Contains(err.Error(), "needs Linux 5.7 or later (this is 5.4.0-216-generic)") {
+		t.Fatalf("map on 5.4: %v", err)
+	}
+	if _, ok := r.k.devs[3]; ok {
+		t.Fatal("the refused map reached the kernel")
+	}
+}
+
 func TestMapFailureLeavesNothing(t *testing.T) {
 	r := newRig(t)
 	m := r.manager(t)

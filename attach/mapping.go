@@ -21,6 +21,10 @@ import (
 // its only caller, checks every request once, on receipt.
 func (m *Manager) Map(rec control.Record) (control.Record, error) {
 	rec.Defaults()
+	if rec.ResendInterval > 0 && !kernel.ResendsOnNewSocket(m.cfg.KernelRelease) {
+		return control.Record{}, fmt.Errorf("resend-interval needs Linux 5.7 or later (this is %s): before it, "+
+			"a one-connection device cannot take a new socket nor resend on one", m.cfg.KernelRelease)
+	}
 	if rec.Index != kernel.AnyIndex {
 		if m.get(rec.Index) != nil {
 			return control.Record{}, fmt.Errorf("%s is busy (already mapped)", rec.Device())

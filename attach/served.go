@@ -96,10 +96,15 @@ func newServed(rec control.Record, opts backend.Options, stats *nbd.Stats, share
 	// The server's lines (slow requests, replies the kernel left unread)
 	// name the image: they come before the kernel has picked the device.
 	srv := nbd.NewServer(nbd.Config{Logger: log.With("spec", rec.Spec), Shared: shared})
-	// A write the kernel may have timed out and sent again is held
-	// behind its first copy from half the device's timeout on.
+	// A write the kernel may have sent again is held behind its first
+	// copy from half the device's timer on: the kernel sends a request
+	// again no sooner than one timer after it first sent it.
+	stale := rec.IOTimeout / 2
+	if rec.IOTimeout == 0 {
+		stale = rec.ResendInterval / 2
+	}
 	if err := srv.AddExport(nbd.Export{Description: opened.Describe, Backend: opened.Backend,
-		ReadOnly: rec.ReadOnly, StaleAfter: rec.IOTimeout / 2, Stats: stats}); err != nil {
+		ReadOnly: rec.ReadOnly, StaleAfter: stale, Stats: stats}); err != nil {
 		opened.Close()
 		return nil, err
 	}

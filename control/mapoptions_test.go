@@ -62,11 +62,44 @@ func TestMapOptionsValidate(t *testing.T) {
 		"block size 8192":      func(o *MapOptions) { o.BlockSize = 8192 },
 		"max sectors -1 KiB":   func(o *MapOptions) { o.MaxSectorsKB = -1 },
 		"power of two from 51": func(o *MapOptions) { o.BlockSize = 1536 },
+		"timeouts cannot be ":  func(o *MapOptions) { o.ResendInterval = -time.Second },
+		"want at least 1s":     func(o *MapOptions) { o.ResendInterval = time.Millisecond },
+		"needs io-timeout 0 and 1 connection (have 8s and 1)": func(o *MapOptions) {
+			o.ResendInterval, o.IOTimeout = time.Second, 8*time.Second
+		},
+		"needs io-timeout 0 and 1 connection (have 0s and 2)": func(o *MapOptions) {
+			o.ResendInterval, o.Connections = time.Second, 2
+		},
 	} {
 		o := ok
 		mod(&o)
 		if err := o.Validate(); err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("%s: got %v", want, err)
+		}
+	}
+}
+
+// TestParseResendInterval: a default resend interval gives way to
+// options that rule it out; one the options give does not.
+func TestParseResendInterval(t *testing.T) {
+	def := MapOptions{Connections: 1, ReattachTimeout: 300 * time.Second, ResendInterval: 3 * time.Second}
+	for in, want := range map[string]MapOptions{
+		"":                  def,
+		"resend-interval=5": {Connections: 1, ReattachTimeout: 300 * time.Second, ResendInterval: 5 * time.Second},
+		"resend-interval=0": {Connections: 1, ReattachTimeout: 300 * time.Second},
+		"connections=2":     {Connections: 2, ReattachTimeout: 300 * time.Second},
+		"io-timeout=8":      {Connections: 1, ReattachTimeout: 300 * time.Second, IOTimeout: 8 * time.Second},
+		"io-timeout=0":      def,
+		"connections=1,notrim": {Connections: 1, ReattachTimeout: 300 * time.Second, ResendInterval: 3 * time.Second,
+			NoTrim: true},
+	} {
+		if got, err := ParseMapOptions(in, def); err != nil || got != want {
+			t.Errorf("%q: got %+v, %v; want %+v", in, got, err, want)
+		}
+	}
+	for _, in := range []string{"resend-interval=3,connections=2", "io-timeout=8,resend-interval=3"} {
+		if _, err := ParseMapOptions(in, def); err == nil || !strings.Contains(err.Error(), "resend-interval needs") {
+			t.Errorf("%q: got %v", in, err)
 		}
 	}
 }

@@ -121,12 +121,15 @@ type Config struct {
 	// CSINode lists this driver).
 	Nodes NodeRegistry
 	// Connections per device unless the StorageClass's map options say;
-	// 0 means min(CPUs, 4), and never fewer than 2: with one connection
-	// and io-timeout 0 the kernel never requeues the requests in flight
-	// on a dead socket (nbd_xmit_timeout only resets their timer), so a
-	// plugin restart would hang them for good; with two or more it
-	// requeues them on a live socket at the block layer's timeout.
+	// 0 means 1 where the kernel resends (NBDResends), else min(CPUs, 4)
+	// and never fewer than 2: before Linux 5.7 a one-connection device
+	// could not take a new socket, so a plugin restart would hang it.
 	Connections int
+	// NBDResends: the node's kernel sends a request again once its
+	// socket is replaced, on a one-connection device whose NBD timeout is
+	// 0 (kernel.ResendsOnNewSocket). One-connection maps then get a
+	// resend interval instead of an NBD timeout (csiMapDefaults).
+	NBDResends bool
 	// ControllerSecretDir, if set, holds userID and userKey files (a
 	// mounted Secret, ceph-csi's key names): the credentials for the
 	// calls that carry none (ListVolumes, GetCapacity, Probe,
@@ -202,6 +205,9 @@ func New(cfg Config) (*Driver, error) {
 	}
 	if cfg.Connections <= 0 {
 		cfg.Connections = max(2, min(runtime.NumCPU(), 4))
+		if cfg.NBDResends {
+			cfg.Connections = 1
+		}
 	}
 	if cfg.SlowCall <= 0 {
 		cfg.SlowCall = 10 * time.Second

@@ -115,28 +115,43 @@ func parseParams(in map[string]string, mapDefaults control.MapOptions) (params, 
 // minutes to take a device back (ceph-csi's reattach-timeout), and
 // max_sectors_kb is raised to an RBD object, as the CLI raises it.
 //
-// The request timeout is 8 s, not ceph-csi's 0 (the kernel's 30 s).
-// With two or more connections a timed-out request is never failed: the
-// kernel sends it again on a live socket (or on the one the daemon, or
-// its successor, gives it). What was in flight when a daemon died waits
-// for exactly that timer, so it bounds the stall of a kill -9 or a
-// restart without handover. Safe: a retried write is held behind an
-// overlapping first copy still in librbd (nbd stale gate, marked at
-// half the timeout), and a dead daemon's writes are fenced (blocklist)
-// before its successor serves. The cost: a request slower than 8 s
-// (an OSD failing over) is sent again, with its socket replaced,
-// instead of waited for. 8 s, not 10 s: the stall after a kill -9 is the
-// timer plus about a second, and the target is 10 s.
-func csiMapDefaults(connections int) control.MapOptions {
-	return control.MapOptions{Connections: connections, IOTimeout: csiIOTimeout, ReattachTimeout: 300 * time.Second,
+// What was in flight when a daemon died is sent again only when the
+// block layer's timer on it fires, so that timer bounds the stall of a
+// kill -9 or a restart without handover (ceph-csi's io-timeout 0 leaves
+// it at 30 s). Where the kernel can (resend: Linux 5.7+), a map has one
+// connection, NBD's own timeout 0 and the timer at the resend interval:
+// a request is then sent again only once its socket was replaced, never
+// because the backend is slow (an OSD failing over), so the timer can
+// be short. Otherwise (older kernels, or more connections) the timer is
+// NBD's io-timeout of 8 s, which also resends slow requests: a retried
+// write is held behind an overlapping first copy still in librbd (nbd
+// stale gate, from half the timer), and a dead daemon's writes are
+// fenced (blocklist) before its successor serves, in both modes.
+func csiMapDefaults(connections int, resend bool) control.MapOptions {
+	o := control.MapOptions{Connections: connections, IOTimeout: csiIOTimeout, ReattachTimeout: 300 * time.Second,
 		MaxSectorsKB: 4096}
+	if resend && connections == 1 {
+		o.IOTimeout, o.ResendInterval = 0, csiResendInterval
+	}
+	return o
 }
 
-// csiIOTimeout is the kernel request timeout of CSI maps.
+// csiIOTimeout is the kernel request timeout of CSI maps that cannot
+// have a resend interval. 8 s, not 6: at 6 a backend slower than the
+// timer had the same write retried for minutes (docs/csi.md).
 const csiIOTimeout = 8 * time.Second
 
+// csiResendInterval is the block layer's timer of CSI maps that resend:
+// after a kill -9 the new daemon serves within 3-5 s on a loaded node,
+// and a request is sent again at most this long after that. Shorter
+// costs a "Possible stuck request" kernel line per request this often
+// while the backend is slow.
+const csiResendInterval = 3 * time.Second
+
 // mapDefaults are the options of a map whose StorageClass sets none.
-func (d *Driver) mapDefaults() control.MapOptions { return csiMapDefaults(d.cfg.Connections) }
+func (d *Driver) mapDefaults() control.MapOptions {
+	return csiMapDefaults(d.cfg.Connections, d.cfg.NBDResends)
+}
 
 // nbdMapOptions is the nbd part of ceph-csi's map options: "krbd:...;
 // nbd:..." or a bare list (the nbd mounter's options, as ceph-csi reads
@@ -162,11 +177,20 @@ func nbdMapOptions(s string) (string, error) {
 }
 
 // parseMapOptions reads ceph-csi's map options (rbd-nbd's own option
-// names, as control.ParseMapOptions reads them) over defaults.
+// names, as control.ParseMapOptions reads them) over defaults. Options
+// asking for more connections over defaults with a resend interval get
+// the 8 s timer those defaults would have had (unless they set their
+// own io-timeout), not the kernel's 30 s.
 func parseMapOptions(s string, defaults control.MapOptions) (control.MapOptions, error) {
 	part, err := nbdMapOptions(s)
 	if err != nil {
 		return defaults, err
 	}
-	return control.ParseMapOptions(part, defaults)
+	o, err := control.ParseMapOptions(part, defaults)
+	if err == nil && defaults.ResendInterval > 0 && o.ResendInterval == 0 && o.Connections > 1 {
+		multi := defaults
+		multi.IOTimeout, multi.ResendInterval = csiIOTimeout, 0
+		return control.ParseMapOptions(part, multi)
+	}
+	return o, err
 }

@@ -4,15 +4,40 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/rbd-nbd-go/rbd-nbd-go/control"
 )
 
 // TestMapOptions: ceph-csi's mounter prefixes over the CSI defaults; the
 // options themselves are control.ParseMapOptions'.
 func TestMapOptions(t *testing.T) {
-	def := csiMapDefaults(3)
+	def := csiMapDefaults(3, true)
 	if def.Connections != 3 || def.ReattachTimeout != 300*time.Second || def.IOTimeout != 8*time.Second ||
-		def.MaxSectorsKB != 4096 || def.BlockSize != 0 {
+		def.MaxSectorsKB != 4096 || def.BlockSize != 0 || def.ResendInterval != 0 {
 		t.Fatalf("CSI defaults %+v", def)
+	}
+	// One connection where the kernel resends: no NBD timeout, the
+	// block layer's timer at 3 s; ceph-csi's connections=N or an
+	// io-timeout turn that back into the 8 s timer's mode, with no error.
+	one := csiMapDefaults(1, true)
+	if one.Connections != 1 || one.IOTimeout != 0 || one.ResendInterval != 3*time.Second {
+		t.Fatalf("CSI defaults, one connection %+v", one)
+	}
+	if old := csiMapDefaults(1, false); old.IOTimeout != 8*time.Second || old.ResendInterval != 0 {
+		t.Fatalf("CSI defaults, one connection, old kernel %+v", old)
+	}
+	for in, want := range map[string]control.MapOptions{
+		"nbd:connections=4": {Connections: 4, IOTimeout: 8 * time.Second, ReattachTimeout: 300 * time.Second,
+			MaxSectorsKB: 4096},
+		"nbd:connections=4,io-timeout=0": {Connections: 4, ReattachTimeout: 300 * time.Second, MaxSectorsKB: 4096},
+		"nbd:io-timeout=8": {Connections: 1, IOTimeout: 8 * time.Second, ReattachTimeout: 300 * time.Second,
+			MaxSectorsKB: 4096},
+		"nbd:resend-interval=5": {Connections: 1, ResendInterval: 5 * time.Second, ReattachTimeout: 300 * time.Second,
+			MaxSectorsKB: 4096},
+	} {
+		if o, err := parseMapOptions(in, one); err != nil || o != want {
+			t.Errorf("%q over one connection: %+v %v, want %+v", in, o, err, want)
+		}
 	}
 	for in, conns := range map[string]int{
 		"":                                     3,

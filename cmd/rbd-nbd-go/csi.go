@@ -23,6 +23,7 @@ import (
 	"github.com/rbd-nbd-go/rbd-nbd-go/daemon"
 	"github.com/rbd-nbd-go/rbd-nbd-go/internal/pidlimit"
 	"github.com/rbd-nbd-go/rbd-nbd-go/internal/profiling"
+	"github.com/rbd-nbd-go/rbd-nbd-go/kernel"
 	"github.com/rbd-nbd-go/rbd-nbd-go/metrics"
 	"github.com/rbd-nbd-go/rbd-nbd-go/rbdio"
 )
@@ -150,7 +151,7 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 	cfg := csi.Config{Name: o.driverName, Version: version, NodeID: o.nodeID, Controller: o.controller,
 		Node: o.node, ClustersConfig: o.clustersConfig, KMSConfig: o.kmsConfig, StateDir: g.stateDir, Log: log, Limits: o.limits,
 		SweepInterval: o.sweepInterval, FlattenProgress: o.flattenProgress,
-		ControllerSecretDir: o.controllerSecretDir}
+		ControllerSecretDir: o.controllerSecretDir, NBDResends: kernel.ResendsOnNewSocket(kernel.Release())}
 	if o.nodeRegistry != "" && o.node {
 		if err := (csi.DirRegistry{Dir: o.nodeRegistry}).Register(o.nodeID); err != nil {
 			return fmt.Errorf("node registry: %w", err)

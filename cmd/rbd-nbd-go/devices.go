@@ -30,6 +30,7 @@ type mapOpts struct {
 	opts                       control.MapOptions
 	device                     string
 	ioTimeout, reattachTimeout int
+	resendInterval             int
 	cookie                     string
 	showCookie                 bool
 	nbdsMax, maxPart           int
@@ -47,6 +48,8 @@ func addMapFlags(f *pflag.FlagSet, o *mapOpts) {
 	f.IntVar(&o.ioTimeout, "timeout", int(def.IOTimeout/time.Second), "old name of --io-timeout")
 	f.IntVar(&o.reattachTimeout, "reattach-timeout", int(def.ReattachTimeout/time.Second),
 		"seconds I/O waits for a restarted server before failing")
+	f.IntVar(&o.resendInterval, "resend-interval", 0,
+		"with --io-timeout 0 and 1 connection: seconds after which the kernel resends a request whose server restarted (0: 30)")
 	f.StringVar(&o.cookie, "cookie", "", "backend identifier checked on reattach (default: random UUID)")
 	f.BoolVar(&o.showCookie, "show-cookie", false, "print the cookie after the device path")
 	f.IntVar(&o.nbdsMax, "nbds_max", 0, "nbd module parameter, if this command loads the module")
@@ -79,6 +82,7 @@ func (o *mapOpts) record(g *globalOpts, spec string) (control.Record, error) {
 	rec := control.Record{Index: control.AnyIndex, Spec: spec, Cookie: o.cookie, MapOptions: o.opts}
 	rec.IOTimeout = time.Duration(o.ioTimeout) * time.Second
 	rec.ReattachTimeout = time.Duration(o.reattachTimeout) * time.Second
+	rec.ResendInterval = time.Duration(o.resendInterval) * time.Second
 	rec.Quiesce = o.opts.Quiesce || o.opts.QuiesceHook != ""
 	if o.device != "" {
 		idx, err := deviceIndex(o.device)
@@ -87,7 +91,7 @@ func (o *mapOpts) record(g *globalOpts, spec string) (control.Record, error) {
 		}
 		rec.Index = idx
 	}
-	if o.ioTimeout < 0 || o.reattachTimeout < 0 {
+	if o.ioTimeout < 0 || o.reattachTimeout < 0 || o.resendInterval < 0 {
 		// Caught here: a negative --reattach-timeout would read as
 		// "unset" once it is a Duration of the record.
 		return rec, errors.New("timeouts cannot be negative")

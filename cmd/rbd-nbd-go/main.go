@@ -88,6 +88,7 @@ Map and attach options:
   --show-cookie                 Show device cookie
   --cookie                      Specify device cookie
   --connections <n>             Sockets (kernel queues) per device
+  --resend-interval <sec>       Resend after a server restart (io-timeout 0, 1 connection)
 List options:
   --format plain|json           Output format (default: plain)
   --pretty-format               Pretty formatting (json)`
