@@ -446,7 +446,7 @@ scenario_f() {
 	# 6 s, and on a slow box the kernel's timer may fire on the old
 	# daemon just before (seen: a request retried 5 s before a handover
 	# that left the sockets unread 239 ms, 8.7 s around it); its bound
-	# is the 8 s request timer the handover avoids.
+	# is 8 s, what the kernel's request timer alone would cost.
 	# The kill's, the delete's and that bound scale with this run's box, as a
 	# benchmark's ratio does with its peer: the kubelet's restart of the
 	# container (noticing the death, creating and starting it: none of
@@ -462,7 +462,7 @@ scenario_f() {
 		eval "[ -n '$h0' ] && [ $s_hand -lt $((8000 * slow / 6000)) ] || { echo $s_hand ms over $((8000 * slow / 6000)) >$work/why; false; }"
 	check "kill -9 stalled I/O under 20 s x the box's slowness once the kubelet restarted the container (target 10 s)" \
 		eval "[ $restart_kill -gt 0 ] && [ $((s_kill - restart_kill)) -lt $bound ] || { echo \"$((s_kill - restart_kill)) ms over $bound: \$steps\" >$work/why; false; }"
-	check "pod delete stalled I/O under 20 s x the box's slowness (a handover, or the 8 s timer)" \
+	check "pod delete stalled I/O under 20 s x the box's slowness (a handover, or the request timer)" \
 		eval "[ $s_term -lt $bound ] || { echo $s_term ms over $bound >$work/why; false; }"
 	kubectl delete pod f --wait=true >/dev/null
 	kubectl delete pvc f --wait=true >/dev/null

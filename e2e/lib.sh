@@ -130,7 +130,8 @@ csi_map() { # csi_map IMAGE COOKIE [extra]
 # --- a hung device ends the run, with its evidence
 # The kernel retries a timed-out NBD request forever (the daemon replaces
 # the socket it shut, "Connection timed out, retrying (N/M alive)" every
-# io-timeout), so a request the daemon never answers hangs its test until
+# io-timeout; with a resend interval it only logs "Possible stuck request"
+# every interval), so a request the daemon never answers hangs its test until
 # the VM's timeout, and a CI run's tail then shows only the retries. So a
 # device timing out with live connections, and completing no I/O, for
 # HANG_SECS on end (no fault
@@ -147,7 +148,8 @@ hang_watch() {
 		now=$(cut -d. -f1 /proc/uptime)
 		# nbd devices with a timeout in the last 30 s, by dmesg's clock
 		local hot
-		hot=$(dmesg 2>/dev/null | sed -n 's/^\[ *\([0-9]*\)\.[0-9]*\] block \(nbd[0-9]*\): Connection timed out, retrying ([1-9][0-9]*\/.*/\1 \2/p' |
+		hot=$(dmesg 2>/dev/null | sed -n -e 's/^\[ *\([0-9]*\)\.[0-9]*\] block \(nbd[0-9]*\): Connection timed out, retrying ([1-9][0-9]*\/.*/\1 \2/p' \
+			-e 's/^\[ *\([0-9]*\)\.[0-9]*\] block \(nbd[0-9]*\): Possible stuck request .*/\1 \2/p' |
 			awk -v now="$now" '$1 >= now - 30 {print $2}' | sort -u)
 		for dev in "${!since[@]}"; do grep -qx "$dev" <<<"$hot" || unset "since[$dev]" "done_io[$dev]"; done
 		for dev in $hot; do

@@ -84,7 +84,7 @@ scenario_d() { # rbd resize grows the device with no remap
 	check "unmap" $B unmap "$dev"
 }
 
-scenario_e() { # kill -9 the daemon mid-fio; ceph-csi's attach; no errors
+scenario_e() { # kill -9 the daemon mid-fio; ceph-csi's attach; no errors; then with a resend interval
 	cluster || return
 	dmesg -C
 	rbd create --size 256M rbd/vol-e
@@ -110,6 +110,40 @@ scenario_e() { # kill -9 the daemon mid-fio; ceph-csi's attach; no errors
 	kill "$(cat /run/rbd-nbd-go/daemon.lock)"; sleep 1
 	check "list-mapped restarts the daemon and shows the device" eval '$B list-mapped > $work/lm && grep -q "$dev" $work/lm'
 	check "I/O after the restart" fio_verify "$dev" 16M
+	check "unmap" $B unmap "$dev"
+	resend_after_kill
+}
+
+resend_after_kill() { # scenario e's second half: one connection, io-timeout 0, resend-interval 3
+	# What a kill -9 had in flight is sent again once the new daemon has
+	# replaced the socket, at the block layer's next 3 s tick: the kernel
+	# logs "Possible stuck request" (NBD's timeout is 0) and never "timed
+	# out" (no retry of a live socket's request). At the kernel's 30 s it
+	# would stall 30 s; the bound is loose, the mechanism is what is checked.
+	rbd create --size 256M rbd/vol-e3
+	local dev pid
+	check "map, one connection, resend-interval 3" eval 'dev=$(csi_map rbd/vol-e3 vol-e3-cookie --connections 1 --resend-interval 3) && [ -b "$dev" ]'
+	check "the queue's request timer is 3 s" eval '[ "$(cat /sys/block/${dev#/dev/}/queue/io_timeout)" = 3000 ]'
+	dmesg -C
+	fio_run "$work/fio-e3.out" "$dev" 32M --iodepth=16 --time_based --runtime=30 &
+	local fiopid=$!
+	sleep 5
+	pid=$(cat /run/rbd-nbd-go/daemon.lock)
+	local t0=$(date +%s%N)
+	kill -9 "$pid"
+	sleep 1
+	check "attach after the kill" eval '$B --id admin -m "$mon" --keyfile="$work/admin.key" attach rbd/vol-e3 --device "$dev" --try-netlink --reattach-timeout=300 --io-timeout=0 --cookie=vol-e3-cookie >/dev/null'
+	log "  attached $(( ($(date +%s%N) - t0) / 1000000 )) ms after the kill"
+	wait $fiopid
+	local rc=$?
+	check "fio finished without I/O or verify errors (rc $rc)" fio_clean "$work/fio-e3.out" $rc
+	# terse v3: field 80 is the writes' longest latency, in µs.
+	local max_ms=$(awk -F';' '/^3;/ { print int($80 / 1000) }' "$work/fio-e3.out")
+	log "  slowest write: $max_ms ms"
+	dmesg > "$work/dmesg-e3"
+	check "the kernel resent (stuck, then requeued), never timed a request out" \
+		eval 'grep -q "Possible stuck request" $work/dmesg-e3 && ! grep -qE "timed out|I/O error" $work/dmesg-e3'
+	check "the kill stalled writes under 20 s, not the kernel's 30 s" eval '[ -n "$max_ms" ] && [ "$max_ms" -lt 20000 ]'
 	check "unmap" $B unmap "$dev"
 }
 
