@@ -125,6 +125,10 @@ csi_map() { # csi_map IMAGE COOKIE [extra]
 	$B --id admin -m "$mon" --keyfile="$work/admin.key" --log-file "$work/rbd-nbd-$cookie.log" \
 		map "$img" --try-netlink --reattach-timeout=300 --io-timeout=0 --cookie="$cookie" "$@"
 }
+csi_attach() { # csi_attach IMAGE DEVICE COOKIE: ceph-csi's attach after its server died
+	$B --id admin -m "$mon" --keyfile="$work/admin.key" attach "$1" --device "$2" --try-netlink \
+		--reattach-timeout=300 --io-timeout=0 --cookie="$3" >/dev/null
+}
 
 
 # --- a hung device ends the run, with its evidence

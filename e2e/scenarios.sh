@@ -99,7 +99,7 @@ scenario_e() { # kill -9 the daemon mid-fio; ceph-csi's attach; no errors; then 
 	kill -9 "$pid"
 	log "  killed daemon $pid mid-write"
 	sleep 2
-	check "ceph-csi's attach command reattaches" eval '$B --id admin -m "$mon" --keyfile="$work/admin.key" attach rbd/vol-e --device "$dev" --try-netlink --reattach-timeout=300 --io-timeout=0 --cookie=vol-e-cookie >/dev/null'
+	check "ceph-csi's attach command reattaches" csi_attach rbd/vol-e "$dev" vol-e-cookie
 	check "a new daemon serves it" eval '[ "$(cat /run/rbd-nbd-go/daemon.lock)" != "$pid" ]'
 	wait $fiopid
 	local rc=$?
@@ -132,7 +132,7 @@ resend_after_kill() { # scenario e's second half: one connection, io-timeout 0, 
 	local t0=$(date +%s%N)
 	kill -9 "$pid"
 	sleep 1
-	check "attach after the kill" eval '$B --id admin -m "$mon" --keyfile="$work/admin.key" attach rbd/vol-e3 --device "$dev" --try-netlink --reattach-timeout=300 --io-timeout=0 --cookie=vol-e3-cookie >/dev/null'
+	check "attach after the kill" csi_attach rbd/vol-e3 "$dev" vol-e3-cookie
 	log "  attached $(( ($(date +%s%N) - t0) / 1000000 )) ms after the kill"
 	wait $fiopid
 	local rc=$?
