@@ -64,14 +64,13 @@ import sys
 a, b = ([d for d in open(f).read().split("\n---\n") if "kind: ConfigMap" not in d] for f in sys.argv[1:])
 sys.exit(a != b or len(a) < 6)
 PY
-	# The Helm chart renders the same objects (e2e/k8s/helm/check.sh, which
-	# lints it too), and is what gets applied: helm template | kubectl
-	# apply, with this cluster's monitors as csiConfig. Its helm was built
-	# on the host (images.sh): under TCG a build would take many minutes.
+	# The Helm chart is what gets applied: helm template | kubectl apply,
+	# with this cluster's monitors as csiConfig. That it lints and renders
+	# what deploy/kubernetes holds, make e2e-k8s checked on the host
+	# (e2e/k8s/helm/check.sh), as images.sh built its helm there: under
+	# TCG the check took most of a minute, a build many.
 	local helm
-	check "the Helm chart lints, and renders what deploy/kubernetes holds" eval \
-		'helm=$(e2e/k8s/helm/build.sh) && e2e/k8s/helm/check.sh "$root/deploy/helm/rbd-nbd-go" "$root/deploy/kubernetes" >$work/helm-check.out 2>&1 ||
-		{ grep -E "^FAIL|differ" $work/helm-check.out | head -5 >$work/why; false; }'
+	check "helm is built" eval 'helm=$(e2e/k8s/helm/build.sh)'
 	printf 'csiConfig:\n  - clusterID: ceph\n    monitors: ["%s"]\n' "$mon" >"$work/helm-values.yaml"
 	check "helm template | kubectl apply" eval '"$helm" template rbd-nbd-go "$root/deploy/helm/rbd-nbd-go" --namespace $NS --include-crds \
 		-f $work/helm-values.yaml >$work/helm.yaml && kubectl apply -f $work/helm.yaml >$work/apply.out'
