@@ -226,7 +226,7 @@ func (m *Manager) openServed(rec control.Record, deferred bool) (*device, *serve
 	d := newDevice(rec)
 	opts := m.backendOptions(d)
 	opts.Deferred = deferred
-	s, err := newServed(rec, opts, d.stats, m.shared, m.log)
+	s, err := m.newServed(rec, opts, d.stats)
 	if err != nil {
 		return nil, nil, err
 	}

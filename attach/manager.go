@@ -43,6 +43,9 @@ type Config struct {
 	// KernelRelease is the running kernel's (kernel.Release() if empty):
 	// a resend interval needs 5.7 or later.
 	KernelRelease string
+	// open opens a device's backend: backend.Open unless a test gives
+	// one whose Activate it controls.
+	open func(spec string, o backend.Options) (*backend.Opened, error)
 }
 
 // Manager serves every NBD device of the node.

@@ -31,7 +31,7 @@ func (m *Manager) Map(rec control.Record) (control.Record, error) {
 		}
 	}
 	d := newDevice(rec)
-	s, err := newServed(rec, m.backendOptions(d), d.stats, m.shared, m.log)
+	s, err := m.newServed(rec, m.backendOptions(d), d.stats)
 	if err != nil {
 		return control.Record{}, err
 	}

@@ -3,6 +3,7 @@ package attach
 import (
 	"errors"
 	"fmt"
+	"os"
 	"sync"
 	"syscall"
 	"time"
@@ -78,8 +79,16 @@ func (m *Manager) Attach(rec control.Record) (control.Record, error) {
 	if old != nil {
 		d.stats, d.events = old.stats, old.events
 	}
+	// The image opens Deferred: the kernel gets its new sockets before
+	// the fence and the lock, and they are read only once both are done.
+	// The kernel sends a request again when its timer next fires after
+	// the socket was replaced, up to one resend interval: that wait now
+	// runs while the lock is taken, not after it. Nothing is written
+	// before Activate: not one request is read until then.
 	t1 := time.Now()
-	s, err := newServed(rec, m.backendOptions(d), d.stats, m.shared, m.log)
+	opts := m.backendOptions(d)
+	opts.Deferred = true
+	s, err := m.newServed(rec, opts, d.stats)
 	if err != nil {
 		return control.Record{}, err
 	}
@@ -87,7 +96,22 @@ func (m *Manager) Attach(rec control.Record) (control.Record, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	t2 := time.Now()
-	if err := m.reattach(&d.rec, s); err != nil {
+	ours, err := m.reattach(&d.rec, s)
+	if err != nil {
+		s.stop(5 * time.Second)
+		return control.Record{}, err
+	}
+	t3 := time.Now()
+	if err := s.opened.Activate(); err != nil {
+		// Our ends closed unread: the kernel finds them dead, as it
+		// found the last ones, and keeps every request for a later
+		// attach.
+		closeAll(ours)
+		s.stop(5 * time.Second)
+		return control.Record{}, err
+	}
+	t4 := time.Now()
+	if err := s.serve(ours, m.log); err != nil {
 		s.stop(5 * time.Second)
 		return control.Record{}, err
 	}
@@ -105,11 +129,11 @@ func (m *Manager) Attach(rec control.Record) (control.Record, error) {
 		m.log.Error("attached, but the state was not saved", "device", rec.Device(), "err", err)
 	}
 	m.tuneQueue(rec)
-	// Where a restart's wait goes: the image's open (and lock), and
-	// handing the kernel its new sockets.
+	// Where a restart's wait goes: the image's open, handing the kernel
+	// its new sockets, and the fence and lock before they are read.
 	ms := func(d time.Duration) time.Duration { return d.Round(time.Millisecond) }
 	m.log.Info("attached", "device", rec.Device(), "spec", rec.Spec, "connections", rec.Connections,
-		"took", ms(time.Since(t0)), "open", ms(t2.Sub(t1)), "reconfigure", ms(time.Since(t2)))
+		"took", ms(time.Since(t0)), "open", ms(t2.Sub(t1)), "reconfigure", ms(t3.Sub(t2)), "lock", ms(t4.Sub(t3)))
 	return d.rec, nil
 }
 
@@ -126,52 +150,54 @@ func mergeAttach(cur, req control.Record) control.Record {
 
 // reattach hands the kernel one new socket per dead connection, however
 // many the device has (the caller may not know: ceph-csi's attach does
-// not say). One RECONFIGURE per socket, because the kernel replaces dead
-// sockets one at a time and stops at the first failure; a socket it did
-// not take means no dead socket is left — or, for the first one, that
-// the kernel has not yet noticed the old server is gone, so that one is
-// retried.
-func (m *Manager) reattach(rec *control.Record, s *served) error {
+// not say), and returns our ends, not yet served. One RECONFIGURE per
+// socket, because the kernel replaces dead sockets one at a time and
+// stops at the first failure; a socket it did not take means no dead
+// socket is left — or, for the first one, that the kernel has not yet
+// noticed the old server is gone, so that one is retried. On an error
+// every end handed is closed again.
+func (m *Manager) reattach(rec *control.Record, s *served) ([]*os.File, error) {
 	deadline := time.Now().Add(m.cfg.ReattachWait)
-	attached := 0
-	for attached < control.MaxConnections {
+	var ours []*os.File
+	for len(ours) < control.MaxConnections {
 		rc := kernel.Reconfig{BackendID: rec.Cookie, DeadConnTimeout: rec.ReattachTimeout}
-		if attached == 0 {
+		if len(ours) == 0 {
 			rc.Size, rc.BlockSize = s.opened.Backend.Size(), rec.BlockSize
 		}
-		err := m.addSocket(rec.Index, rc, s)
+		end, err := m.giveSocket(rec.Index, rc)
 		switch {
 		case err == nil:
-			attached++
+			ours = append(ours, end)
 			continue
 		case !errors.Is(err, syscall.ENOSPC):
-			return err
-		case attached > 0:
-			rec.Connections = attached
-			return nil
+			closeAll(ours)
+			return nil, err
+		case len(ours) > 0:
+			rec.Connections = len(ours)
+			return ours, nil
 		case time.Now().After(deadline):
-			return err
+			return nil, err
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	rec.Connections = attached
-	return nil
+	rec.Connections = len(ours)
+	return ours, nil
 }
 
 // errNoDeadConnection: RECONFIGURE found no dead connection to replace.
 var errNoDeadConnection = fmt.Errorf("no dead connection to replace: %w", syscall.ENOSPC)
 
-// addSocket gives a connected device one more connection through
-// RECONFIGURE (it replaces a dead one) and serves our end.
+// giveSocket gives a connected device one more connection through
+// RECONFIGURE (it replaces a dead one) and returns our end, unserved.
 //
 // The kernel's answer cannot say whether it took the socket: with no dead
 // connection to replace it drops the socket and still reports success
 // (nbd_genl_reconfigure turns that ENOSPC into 0). So once our copy of
 // the kernel's end is closed, a hung-up peer means the kernel kept none.
-func (m *Manager) addSocket(index int, rc kernel.Reconfig, s *served) error {
+func (m *Manager) giveSocket(index int, rc kernel.Reconfig) (*os.File, error) {
 	kEnds, ours, err := socketpairs(1)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	err = m.cfg.Kernel.Reconfigure(index, rc, kEnds)
 	closeAll(kEnds)
@@ -180,9 +206,9 @@ func (m *Manager) addSocket(index int, rc kernel.Reconfig, s *served) error {
 	}
 	if err != nil {
 		closeAll(ours)
-		return err
+		return nil, err
 	}
-	return s.serve(ours, m.log)
+	return ours[0], nil
 }
 
 // ReplaceDead gives a served device a fresh connection after the kernel
@@ -203,7 +229,10 @@ func (m *Manager) ReplaceDead(index int) {
 		m.log.Warn("the kernel left replies unread on a dead connection; replacing it anyway",
 			"device", d.rec.Device(), "waited", settled.Round(time.Millisecond))
 	}
-	err := m.addSocket(index, kernel.Reconfig{BackendID: d.rec.Cookie}, d.s)
+	end, err := m.giveSocket(index, kernel.Reconfig{BackendID: d.rec.Cookie})
+	if err == nil {
+		err = d.s.serve([]*os.File{end}, m.log)
+	}
 	if err == nil {
 		d.events.replaced.Add(1)
 	}

@@ -88,14 +88,18 @@ func closeAll(fs []*os.File) {
 }
 
 // newServed opens rec's backend and an NBD server with one export.
-func newServed(rec control.Record, opts backend.Options, stats *nbd.Stats, shared *nbd.Shared, log *slog.Logger) (*served, error) {
-	opened, err := backend.Open(rec.Spec, opts)
+func (m *Manager) newServed(rec control.Record, opts backend.Options, stats *nbd.Stats) (*served, error) {
+	open := m.cfg.open
+	if open == nil {
+		open = backend.Open
+	}
+	opened, err := open(rec.Spec, opts)
 	if err != nil {
 		return nil, err
 	}
 	// The server's lines (slow requests, replies the kernel left unread)
 	// name the image: they come before the kernel has picked the device.
-	srv := nbd.NewServer(nbd.Config{Logger: log.With("spec", rec.Spec), Shared: shared})
+	srv := nbd.NewServer(nbd.Config{Logger: m.log.With("spec", rec.Spec), Shared: m.shared})
 	// A write the kernel may have sent again is held behind its first
 	// copy from half the device's timer on: the kernel sends a request
 	// again no sooner than one timer after it first sent it.

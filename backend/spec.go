@@ -44,6 +44,14 @@ type Opened struct {
 	release  func() error
 }
 
+// NewOpened wraps a backend opened elsewhere, with what finishes a
+// Deferred open (activate) and what lets it go (close); either may be
+// nil. Open makes every Opened a daemon serves; this is for callers
+// that stand in for it, as tests do.
+func NewOpened(b nbd.Backend, describe string, activate, close func() error) *Opened {
+	return &Opened{Backend: b, Describe: describe, activate: activate, close: close}
+}
+
 // Activate finishes an Open with Deferred (the lock, the quiesce watch);
 // otherwise it does nothing.
 func (o *Opened) Activate() error {
