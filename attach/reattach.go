@@ -79,38 +79,62 @@ func (m *Manager) Attach(rec control.Record) (control.Record, error) {
 	if old != nil {
 		d.stats, d.events = old.stats, old.events
 	}
-	// The image opens Deferred: the kernel gets its new sockets before
-	// the fence and the lock, and they are read only once both are done.
-	// The kernel sends a request again when its timer next fires after
-	// the socket was replaced, up to one resend interval: that wait now
-	// runs while the lock is taken, not after it. Nothing is written
-	// before Activate: not one request is read until then.
-	t1 := time.Now()
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	// With NBD's own timeout off, the kernel never gives up on a request
+	// nobody answers, nor shuts its socket: it sends again what the dead
+	// server had read when the request's timer next fires after the
+	// socket was replaced (every resend interval: 3 s for CSI maps). So
+	// the new sockets go to the kernel first, and that wait runs while
+	// the image opens (Deferred), is fenced and locked, instead of after.
+	// Not one request is read before Activate, so nothing reaches the
+	// image first; if the open or the lock fails our ends close unread
+	// and the kernel keeps its requests for the next attach. With an
+	// io-timeout the kernel would time out what sits unread, so the
+	// image is opened and locked before the sockets change, as before.
+	first := rec.IOTimeout == 0
+	var ours []*os.File
+	var opened, handed, locked time.Duration
+	t := time.Now()
+	lap := func(d *time.Duration) { *d = time.Since(t); t = time.Now() }
+	if first {
+		if ours, err = m.reattach(&d.rec, 0); err != nil {
+			return control.Record{}, err
+		}
+		lap(&handed)
+	}
 	opts := m.backendOptions(d)
-	opts.Deferred = true
-	s, err := m.newServed(rec, opts, d.stats)
+	opts.Deferred = first
+	s, err := m.newServed(d.rec, opts, d.stats)
 	if err != nil {
+		closeAll(ours)
 		return control.Record{}, err
 	}
 	m.watchIdle(d, s)
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	t2 := time.Now()
-	ours, err := m.reattach(&d.rec, s)
-	if err != nil {
-		s.stop(5 * time.Second)
-		return control.Record{}, err
-	}
-	t3 := time.Now()
-	if err := s.opened.Activate(); err != nil {
-		// Our ends closed unread: the kernel finds them dead, as it
-		// found the last ones, and keeps every request for a later
-		// attach.
+	lap(&opened)
+	fail := func(err error) (control.Record, error) {
 		closeAll(ours)
 		s.stop(5 * time.Second)
 		return control.Record{}, err
 	}
-	t4 := time.Now()
+	size := s.opened.Backend.Size()
+	if first {
+		// The kernel kept its size; the image may have been resized
+		// while nobody served it.
+		rc := kernel.Reconfig{Size: size, BlockSize: d.rec.BlockSize, BackendID: d.rec.Cookie}
+		if err := m.cfg.Kernel.Reconfigure(d.rec.Index, rc, nil); err != nil {
+			return fail(fmt.Errorf("%s: set the size: %w", d.rec.Device(), err))
+		}
+	} else {
+		if ours, err = m.reattach(&d.rec, size); err != nil {
+			return fail(err)
+		}
+		lap(&handed)
+	}
+	if err := s.opened.Activate(); err != nil {
+		return fail(err)
+	}
+	lap(&locked)
 	if err := s.serve(ours, m.log); err != nil {
 		s.stop(5 * time.Second)
 		return control.Record{}, err
@@ -129,11 +153,13 @@ func (m *Manager) Attach(rec control.Record) (control.Record, error) {
 		m.log.Error("attached, but the state was not saved", "device", rec.Device(), "err", err)
 	}
 	m.tuneQueue(rec)
-	// Where a restart's wait goes: the image's open, handing the kernel
-	// its new sockets, and the fence and lock before they are read.
+	// Where a restart's wait goes: handing the kernel its new sockets
+	// (first, or after the lock), the image's open, and the fence and
+	// lock before anything is read.
 	ms := func(d time.Duration) time.Duration { return d.Round(time.Millisecond) }
 	m.log.Info("attached", "device", rec.Device(), "spec", rec.Spec, "connections", rec.Connections,
-		"took", ms(time.Since(t0)), "open", ms(t2.Sub(t1)), "reconfigure", ms(t3.Sub(t2)), "lock", ms(t4.Sub(t3)))
+		"took", ms(time.Since(t0)), "sockets_first", first, "reconfigure", ms(handed), "open", ms(opened),
+		"lock", ms(locked))
 	return d.rec, nil
 }
 
@@ -154,15 +180,16 @@ func mergeAttach(cur, req control.Record) control.Record {
 // socket, because the kernel replaces dead sockets one at a time and
 // stops at the first failure; a socket it did not take means no dead
 // socket is left — or, for the first one, that the kernel has not yet
-// noticed the old server is gone, so that one is retried. On an error
-// every end handed is closed again.
-func (m *Manager) reattach(rec *control.Record, s *served) ([]*os.File, error) {
+// noticed the old server is gone, so that one is retried. The first
+// RECONFIGURE sets size, unless it is 0 (the kernel keeps its own). On an
+// error every end handed is closed again.
+func (m *Manager) reattach(rec *control.Record, size uint64) ([]*os.File, error) {
 	deadline := time.Now().Add(m.cfg.ReattachWait)
 	var ours []*os.File
 	for len(ours) < control.MaxConnections {
 		rc := kernel.Reconfig{BackendID: rec.Cookie, DeadConnTimeout: rec.ReattachTimeout}
-		if len(ours) == 0 {
-			rc.Size, rc.BlockSize = s.opened.Backend.Size(), rec.BlockSize
+		if len(ours) == 0 && size != 0 {
+			rc.Size, rc.BlockSize = size, rec.BlockSize
 		}
 		end, err := m.giveSocket(rec.Index, rc)
 		switch {

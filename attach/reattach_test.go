@@ -2,6 +2,8 @@ package attach
 
 import (
 	"bytes"
+	"encoding/binary"
+	"io"
 	"os"
 	"testing"
 	"time"
@@ -50,79 +52,104 @@ func (k *fakeKernel) reconfigured() int {
 	return len(k.reconfigs)
 }
 
-// After a restart the kernel gets its new sockets at once, so that its
-// resend timer runs while the image's fence and lock are taken; but not
-// one request is read before the backend is active, so nothing reaches
-// the image first. An activation that fails closes the sockets unread:
-// the kernel keeps its requests for the next attach.
+// After a restart, with NBD's timeout off, the kernel gets its new
+// sockets before the image is even open, so that its resend timer runs
+// while the image opens and its fence and lock are taken; but not one
+// request is read before the backend is active, so nothing reaches the
+// image first. An activation that fails closes the sockets unread: the
+// kernel keeps its requests for the next attach. With an io-timeout the
+// kernel would time out what sits unread: the image is opened, fenced
+// and locked first, and the sockets served as soon as they are handed.
 func TestReattachReadsNothingBeforeActivate(t *testing.T) {
-	r := newRig(t)
-	spec := r.file(t, 4<<20)
-	m1 := NewManager(Config{Kernel: r.k, Store: r.store, SysBlock: r.sys, Dev: r.dir})
-	rec, err := m1.Map(control.Record{Index: kernel.AnyIndex, Spec: spec, Cookie: "vol-8"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := m1.Close(); err != nil {
-		t.Fatal(err)
-	}
 	data := bytes.Repeat([]byte("deferred"), 512)
-	for _, fail := range []bool{true, false} {
-		activate := make(chan error)
-		deferred := make(chan bool, 1)
-		m := NewManager(Config{Kernel: r.k, Store: r.store, SysBlock: r.sys, Dev: r.dir, ReattachWait: 2 * time.Second,
-			open: func(spec string, o backend.Options) (*backend.Opened, error) {
-				deferred <- o.Deferred
-				op, err := backend.Open(spec, o)
-				if err != nil {
-					return nil, err
+	for _, tc := range []struct {
+		name      string
+		ioTimeout time.Duration
+		fail      bool
+	}{{"no timeout, lock fails", 0, true}, {"no timeout", 0, false}, {"io-timeout", 8 * time.Second, false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := newRig(t)
+			spec := r.file(t, 4<<20)
+			m1 := NewManager(Config{Kernel: r.k, Store: r.store, SysBlock: r.sys, Dev: r.dir})
+			rec, err := m1.Map(control.Record{Index: kernel.AnyIndex, Spec: spec, Cookie: "vol-8",
+				MapOptions: control.MapOptions{IOTimeout: tc.ioTimeout}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := m1.Close(); err != nil {
+				t.Fatal(err)
+			}
+			first := tc.ioTimeout == 0
+			activate := make(chan error, 1)
+			type opening struct{ deferred, handed bool }
+			opened := make(chan opening, 1)
+			before := r.k.reconfigured()
+			m := NewManager(Config{Kernel: r.k, Store: r.store, SysBlock: r.sys, Dev: r.dir, ReattachWait: 2 * time.Second,
+				open: func(spec string, o backend.Options) (*backend.Opened, error) {
+					opened <- opening{o.Deferred, r.k.reconfigured() > before}
+					op, err := backend.Open(spec, o)
+					if err != nil {
+						return nil, err
+					}
+					return backend.NewOpened(op.Backend, op.Describe, func() error { return <-activate }, op.Close), nil
+				}})
+			if !first {
+				activate <- nil // a plain open's Activate does nothing
+			}
+			done := make(chan error, 1)
+			go func() { done <- m.Restore() }()
+			if o := <-opened; o.deferred != first || o.handed != first {
+				t.Fatalf("open: Deferred %v, sockets already handed %v; want %v for both", o.deferred, o.handed, first)
+			}
+			for end := time.Now().Add(5 * time.Second); r.k.reconfigured() == before; time.Sleep(5 * time.Millisecond) {
+				if time.Now().After(end) {
+					t.Fatal("no RECONFIGURE")
 				}
-				return backend.NewOpened(op.Backend, op.Describe, func() error { return <-activate }, op.Close), nil
-			}})
-		before := r.k.reconfigured()
-		done := make(chan error, 1)
-		go func() { done <- m.Restore() }()
-		if !<-deferred {
-			t.Fatal("the reattach's open was not Deferred: the lock would come before the kernel's sockets")
-		}
-		for end := time.Now().Add(5 * time.Second); r.k.reconfigured() == before; time.Sleep(5 * time.Millisecond) {
-			if time.Now().After(end) {
-				t.Fatal("no RECONFIGURE before the backend was active")
 			}
-		}
-		sock := r.k.kernelSock(rec.Index)
-		if err := writeReq(sock, cmdWrite, 7, 0, 4096, data); err != nil {
-			t.Fatal(err)
-		}
-		if replied(sock, 300*time.Millisecond) {
-			t.Fatal("a request was answered before the backend was active")
-		}
-		if fail {
-			activate <- errInjected
-			if err := <-done; err == nil {
-				t.Fatal("Restore succeeded with a backend that did not activate")
+			sock := r.k.kernelSock(rec.Index)
+			if err := writeReq(sock, cmdWrite, 7, 0, 4096, data); err != nil {
+				t.Fatal(err)
 			}
-			if !hungUp(sock) {
-				t.Fatal("after a failed activation the kernel's socket is not closed, or was answered")
+			if first {
+				if replied(sock, 300*time.Millisecond) {
+					t.Fatal("a request was answered before the backend was active")
+				}
+				if tc.fail {
+					activate <- errInjected
+					if err := <-done; err == nil {
+						t.Fatal("Restore succeeded with a backend that did not activate")
+					}
+					if !hungUp(sock) {
+						t.Fatal("after a failed activation the kernel's socket is not closed, or was answered")
+					}
+					if len(m.List()) != 0 {
+						t.Fatalf("a device is served after a failed activation: %v", m.List())
+					}
+					return
+				}
+				activate <- nil
 			}
-			if len(m.List()) != 0 {
-				t.Fatalf("a device is served after a failed activation: %v", m.List())
+			if err := <-done; err != nil {
+				t.Fatal(err)
 			}
-			m.Close()
-			continue
-		}
-		activate <- nil
-		if err := <-done; err != nil {
-			t.Fatal(err)
-		}
-		// The write the kernel had sent is read now, and answered.
-		var reply [16]byte
-		if _, err := sock.Read(reply[:]); err != nil || reply[7] != 0 {
-			t.Fatalf("reply %x, err %v", reply, err)
-		}
-		if e, got := kio(t, sock, cmdRead, 0, 4096, nil); e != 0 || !bytes.Equal(got, data) {
-			t.Fatalf("read back: errno %d", e)
-		}
-		m.Close()
+			// The write the kernel had sent is read now, and answered.
+			var reply [16]byte
+			if _, err := io.ReadFull(sock, reply[:]); err != nil || binary.BigEndian.Uint32(reply[4:]) != 0 {
+				t.Fatalf("reply %x, err %v", reply, err)
+			}
+			if e, got := kio(t, sock, cmdRead, 0, 4096, nil); e != 0 || !bytes.Equal(got, data) {
+				t.Fatalf("read back: errno %d", e)
+			}
+			if first {
+				// The kernel was handed the sockets without a size, and
+				// given the image's once it was open.
+				r.k.mu.Lock()
+				rcs := r.k.reconfigs[before:]
+				r.k.mu.Unlock()
+				if rcs[0].Size != 0 || rcs[len(rcs)-1].Size != 4<<20 {
+					t.Fatalf("RECONFIGUREs %+v: want the sockets without a size, then the size", rcs)
+				}
+			}
+		})
 	}
 }
