@@ -204,14 +204,18 @@ func (m *Manager) resized(d *device, size uint64) {
 	if d.s == nil {
 		return
 	}
-	err := m.cfg.Kernel.Reconfigure(d.rec.Index, kernel.Reconfig{Size: size, BlockSize: d.rec.BlockSize,
-		BackendID: d.rec.Cookie}, nil)
-	if err != nil {
+	if err := m.setKernelSize(d.rec, size); err != nil {
 		m.log.Error("resize of the kernel device failed", "device", d.rec.Device(), "size", size, "err", err)
 		return
 	}
 	d.events.resized.Add(1)
 	m.log.Info("resized", "device", d.rec.Device(), "size", size)
+}
+
+// setKernelSize tells the kernel rec's device is size bytes long (a
+// RECONFIGURE without sockets).
+func (m *Manager) setKernelSize(rec control.Record, size uint64) error {
+	return m.cfg.Kernel.Reconfigure(rec.Index, kernel.Reconfig{Size: size, BlockSize: rec.BlockSize, BackendID: rec.Cookie}, nil)
 }
 
 // lockTarget resolves a device path (/dev/nbdN) or a spec to a mapped

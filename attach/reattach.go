@@ -121,8 +121,7 @@ func (m *Manager) Attach(rec control.Record) (control.Record, error) {
 	if first {
 		// The kernel kept its size; the image may have been resized
 		// while nobody served it.
-		rc := kernel.Reconfig{Size: size, BlockSize: d.rec.BlockSize, BackendID: d.rec.Cookie}
-		if err := m.cfg.Kernel.Reconfigure(d.rec.Index, rc, nil); err != nil {
+		if err := m.setKernelSize(d.rec, size); err != nil {
 			return fail(fmt.Errorf("%s: set the size: %w", d.rec.Device(), err))
 		}
 	} else {
