@@ -97,8 +97,8 @@ e2e-k8s: deps build
 	E2E_OUT=$(CURDIR)/bin/e2e-k8s scripts/vm/vm.sh --mem 6G --timeout 4200 --share $(CURDIR)/bin/e2e-k8s -- e2e/k8s.sh $(CURDIR)/bin/k8s-images $(K8S_SCENARIOS)
 
 # Kubernetes' own storage tests for CSI drivers: every External.Storage
-# spec of e2e.test (k8s.io/kubernetes v1.36.1, built by
-# e2e/k8s/build-tools.sh) against the driver deployed in the VM's
+# spec of k8s.io/kubernetes v1.36.1's e2e suite (storage-e2e.test, built
+# by e2e/k8s/build-tools.sh) against the driver deployed in the VM's
 # single-node cluster, but the skips docs/conformance.md lists. make test
 # runs a fixed subset (scenario conformance). The counts by test pattern,
 # the failures and the skip reasons go to bench/reference/conformance,

@@ -28,7 +28,7 @@
 #    40 write IOPS), the PVC moved to i-fast (gold at 80) while fio runs;
 #    i-slow at 60 to 115 % of its limit, i-fast under its own and well
 #    over i-slow's, same device, no remap
-# conformance, conformance-all  Kubernetes' own storage tests (e2e.test's
+# conformance, conformance-all  Kubernetes' own storage tests (the
 #    External.Storage specs): a fixed subset, or all (e2e/k8s/conformance.sh)
 . "$(dirname "$0")/lib.sh"
 . "$(dirname "$0")/k8s/cluster.sh"

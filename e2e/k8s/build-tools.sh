@@ -1,10 +1,11 @@
 #!/bin/bash
 # Build the pinned Kubernetes binaries, CSI sidecars, and Kubernetes' own
-# e2e suite (e2e.test, ginkgo, agnhost) of e2e/k8s/tools (module proxy
-# only) into a cache outside the checkout, keyed by the tools module's
-# go.mod and go.sum, and print the directory holding them. A warm cache
-# costs nothing; a cold one about six minutes on two cores, and five more
-# for e2e.test; with Go's build cache warm, relinking all takes 2.5.
+# storage e2e suite (storage-e2e.test, ginkgo, agnhost) of e2e/k8s/tools
+# (module proxy only) into a cache outside the checkout, keyed by the
+# tools module's go.mod and go.sum, and print the directory holding them.
+# A warm cache costs nothing; a cold one about six minutes on two cores,
+# and a few more for the suite; with Go's build cache warm, relinking all
+# takes 2.5.
 #
 # `populator` builds hello-populator of e2e/k8s/populator instead, keyed
 # by that module alone: only make e2e-k8s-conformance needs it, so the
@@ -45,14 +46,15 @@ for p in $pkgs; do
 	GOFLAGS=-trimpath CGO_ENABLED=0 go build -ldflags=-s -o "$out/bin/$name.tmp" "$p" >&2
 	mv "$out/bin/$name.tmp" "$out/bin/$name"
 done
-# e2e.test is a test binary: k8s.io/kubernetes/test/e2e's own TestE2E,
-# built as upstream's `make WHAT=test/e2e/e2e.test` does, from the same
-# pinned module. go.sum holds the sums of the modules only its tests
-# import (k8s.io/sample-apiserver), which `go mod tidy` would drop.
-if [ -z "$prefix" ] && [ ! -x "$out/bin/e2e.test" ]; then
-	echo "build-tools: e2e.test" >&2
-	GOFLAGS=-trimpath CGO_ENABLED=0 go test -c -ldflags=-s -o "$out/bin/e2e.test.tmp" k8s.io/kubernetes/test/e2e >&2
-	mv "$out/bin/e2e.test.tmp" "$out/bin/e2e.test"
+# storage-e2e.test is Kubernetes' e2e suite with only its storage tests
+# for external drivers (storage-e2e/: the External.Storage specs, run by
+# the suite's own RunE2ETests), built as upstream's `make
+# WHAT=test/e2e/e2e.test` builds the whole one, from the same pinned
+# module.
+if [ -z "$prefix" ] && [ ! -x "$out/bin/storage-e2e.test" ]; then
+	echo "build-tools: storage-e2e.test" >&2
+	GOFLAGS=-trimpath CGO_ENABLED=0 go test -c -ldflags=-s -o "$out/bin/storage-e2e.test.tmp" ./storage-e2e >&2
+	mv "$out/bin/storage-e2e.test.tmp" "$out/bin/storage-e2e.test"
 fi
 touch "$out/.done"
 echo "$out"

@@ -1,7 +1,8 @@
 #!/bin/bash
 # Kubernetes' own storage tests against the deployed driver: the
-# External.Storage specs of e2e.test (k8s.io/kubernetes/test/e2e at the
-# version e2e/k8s/tools pins), driven by e2e/k8s/conformance/driver.yaml.
+# External.Storage specs (k8s.io/kubernetes/test/e2e/storage/external at
+# the version e2e/k8s/tools pins, in storage-e2e.test: the e2e suite with
+# only those), driven by e2e/k8s/conformance/driver.yaml.
 # Sourced by e2e/k8s.sh, after its deploy step.
 #
 #   conformance      the fixed subset below (make test)
@@ -37,7 +38,7 @@ CONFORMANCE_SUBSET=(
 	'\[Testpattern: Dynamic PV \(block volmode\)\] volume-modify.*should modify volume that already has a VAC'
 )
 
-# conformance_run NAME FOCUS PROCS SECONDS: ginkgo runs e2e.test's specs
+# conformance_run NAME FOCUS PROCS SECONDS: ginkgo runs the suite's specs
 # matching FOCUS (within External.Storage for this driver), PROCS at once;
 # fails if any spec fails. Prints the counts ginkgo ends with.
 conformance_run() {
@@ -49,7 +50,7 @@ conformance_run() {
 	awk '/^---/ {exit} {print}' "$root/deploy/kubernetes/examples/volumeattributesclass.yaml" \
 		>/run/e2e-conformance/volumeattributesclass.yaml
 	# The suite reads some of the files it names from its working
-	# directory (ginkgo's: e2e.test's own), the rest under -repo-root:
+	# directory (ginkgo's: the test binary's own), the rest under -repo-root:
 	# both work when the paths are absolute.
 	sed -E "s|^( *FromFile: )([^/])|\1$root/\2|" "$root/e2e/k8s/conformance/driver.yaml" >/run/e2e-conformance/driver.yaml
 	log "    ginkgo -p $procs, focus: $focus"
@@ -67,7 +68,7 @@ conformance_run() {
 	(cd "$root" && timeout -k 30 "$((limit + 300))" ginkgo --procs="$procs" --no-color --timeout="${limit}s" --poll-progress-after=10m \
 		--focus="External.Storage \[Driver: $DRIVER\].*($focus)" --skip="$CONFORMANCE_SKIP" \
 		--json-report=report.json --junit-report=junit.xml --output-dir="$out" \
-		"$(command -v e2e.test)" -- \
+		"$(command -v storage-e2e.test)" -- \
 		-kubeconfig="$KUBECONFIG" -storage.testdriver=/run/e2e-conformance/driver.yaml -repo-root="$root" \
 		-node-os-distro=debian >"$out/ginkgo.log" 2>&1)
 	rc=$?

@@ -1,7 +1,8 @@
 // The Kubernetes control plane, kubelet, kubectl, the CSI sidecars and
 // the snapshot-controller that make e2e-k8s runs, and Kubernetes' e2e
-// suite (e2e.test from k8s.io/kubernetes/test/e2e, ginkgo to run it in
-// parallel, and agnhost for its test image), pinned and built from the Go
+// storage suite (storage-e2e: k8s.io/kubernetes/test/e2e with its
+// External.Storage specs alone, ginkgo to run it in parallel, and agnhost
+// for its test image), pinned and built from the Go
 // module proxy.
 // Kept apart from the main go.mod: nothing here is linked into ours.
 module github.com/rbd-nbd-go/e2e-k8s-tools
@@ -22,6 +23,8 @@ tool (
 	k8s.io/kubernetes/cmd/kubelet
 	k8s.io/kubernetes/test/images/agnhost
 )
+
+require k8s.io/kubernetes v1.36.1
 
 require (
 	cel.dev/expr v0.25.2 // indirect
@@ -121,6 +124,7 @@ require (
 	github.com/munnerz/goautoneg v0.0.0-20191010083416-a7dc8b61c822 // indirect
 	github.com/mxk/go-flowrate v0.0.0-20140419014527-cca7078d478f // indirect
 	github.com/onsi/ginkgo/v2 v2.29.0 // indirect
+	github.com/onsi/gomega v1.41.0 // indirect
 	github.com/opencontainers/cgroups v0.0.6 // indirect
 	github.com/opencontainers/go-digest v1.0.0 // indirect
 	github.com/opencontainers/image-spec v1.1.1 // indirect
@@ -138,6 +142,8 @@ require (
 	github.com/sirupsen/logrus v1.9.3 // indirect
 	github.com/spf13/cobra v1.10.2 // indirect
 	github.com/spf13/pflag v1.0.10 // indirect
+	github.com/stretchr/objx v0.5.2 // indirect
+	github.com/stretchr/testify v1.11.1 // indirect
 	github.com/x448/float16 v0.8.4 // indirect
 	github.com/xlab/treeprint v1.2.0 // indirect
 	go.etcd.io/etcd/api/v3 v3.6.11 // indirect
@@ -178,6 +184,7 @@ require (
 	gopkg.in/go-jose/go-jose.v2 v2.6.3 // indirect
 	gopkg.in/inf.v0 v0.9.1 // indirect
 	gopkg.in/natefinch/lumberjack.v2 v2.2.1 // indirect
+	gopkg.in/yaml.v3 v3.0.1 // indirect
 	k8s.io/api v0.36.1 // indirect
 	k8s.io/apiextensions-apiserver v0.36.1 // indirect
 	k8s.io/apimachinery v0.36.1 // indirect
@@ -205,7 +212,6 @@ require (
 	k8s.io/kube-scheduler v0.0.0 // indirect
 	k8s.io/kubectl v0.35.2 // indirect
 	k8s.io/kubelet v0.36.1 // indirect
-	k8s.io/kubernetes v1.36.1 // indirect
 	k8s.io/metrics v0.36.1 // indirect
 	k8s.io/mount-utils v0.35.2 // indirect
 	k8s.io/pod-security-admission v0.35.2 // indirect
