@@ -37,7 +37,6 @@ type Images interface {
 	ListImages(o ceph.Options, spec ceph.ImageSpec, metaKey string) ([]ceph.ImageInfo, error)
 	ListPools(o ceph.Options) ([]string, error)
 	PoolAvailable(o ceph.Options, pool string) (uint64, error)
-	Ping(o ceph.Options) error
 	// FormatEncryption writes a LUKS2 header with passphrase on an
 	// image that holds no data yet.
 	FormatEncryption(o ceph.Options, spec ceph.ImageSpec, passphrase []byte) error

@@ -149,8 +149,6 @@ func (f *fakeImages) PoolAvailable(o ceph.Options, pool string) (uint64, error) 
 	return 5 << 30, f.check(o, pool)
 }
 
-func (f *fakeImages) Ping(o ceph.Options) error { return nil }
-
 func (f *fakeImages) setWatchers(spec string, n int) {
 	f.mu.Lock()
 	defer f.mu.Unlock()

@@ -28,8 +28,16 @@ func (d *Driver) GetPluginCapabilities(context.Context, *csi.GetPluginCapabiliti
 }
 
 // Probe is ready when what the role needs is up: for the node, the node
-// daemon answers; for the controller, the clusters config reads and
-// every cluster it has credentials for answers.
+// daemon answers; for the controller, the clusters config reads.
+//
+// The controller's Probe does not reach Ceph. Its caller is the liveness
+// check, and a kubelet that kills the controller for a slow or
+// unreachable cluster fixes nothing and aborts its clones, flattens and
+// deletes half-way. Asking Ceph meant a connect per probe: under TCG,
+// beside Kubernetes' storage tests, those took over the probe's 5 s, and
+// the kubelet killed a healthy controller twice in one run. ceph-csi's
+// Probe does not ask Ceph either. A cluster the controller cannot reach
+// shows in its calls' errors, which name it.
 func (d *Driver) Probe(ctx context.Context, _ *csi.ProbeRequest) (*csi.ProbeResponse, error) {
 	if d.cfg.Node {
 		if !d.daemonReady() {
@@ -40,18 +48,8 @@ func (d *Driver) Probe(ctx context.Context, _ *csi.ProbeRequest) (*csi.ProbeResp
 		}
 	}
 	if d.cfg.Controller {
-		cs, err := d.clusters.load()
-		if err != nil {
+		if _, err := d.clusters.load(); err != nil {
 			return nil, status.Errorf(codes.FailedPrecondition, "%v", err)
-		}
-		for _, cl := range cs {
-			c, ok := d.knownCreds(cl.ClusterID)
-			if !ok {
-				continue
-			}
-			if err := d.cfg.Images.Ping(cl.options(c, controllerOSDTimeout)); err != nil {
-				return &csi.ProbeResponse{Ready: wrapperspb.Bool(false)}, nil
-			}
 		}
 	}
 	return &csi.ProbeResponse{Ready: wrapperspb.Bool(true)}, nil
