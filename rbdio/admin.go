@@ -256,8 +256,7 @@ func (c *Clusters) ListPools(o ceph.Options) ([]string, error) {
 	return pools, nil
 }
 
-// Ping connects with o (or reuses its connection): the CSI controller's
-// readiness.
+// Ping connects with o (or reuses its connection), and lets go.
 func (c *Clusters) Ping(o ceph.Options) error {
 	_, release, err := c.get(o)
 	if err == nil {

@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"sync"
 	"syscall"
+	"time"
 
 	"github.com/ceph/go-ceph/rados"
 
@@ -27,6 +28,9 @@ type Clusters struct {
 	mu    sync.Mutex
 	conns map[ceph.Options]*clusterRef
 	hooks SessionHooks
+	// linger keeps a connection nobody holds open this long, for the
+	// next call to reuse (0: shut down at once). See NewClustersLinger.
+	linger time.Duration
 }
 
 // SessionHooks are told of each RADOS session: Opened right after the
@@ -55,6 +59,11 @@ type clusterRef struct {
 	// images counts the images open on conn (Open to Close): a gauge of
 	// the node daemon's metrics.
 	images int
+	// idle runs out the linger of a connection nobody holds (nil while
+	// held); a caller that takes it back first stops it. idleGen tells
+	// an expiry from an earlier release, whose Stop came too late.
+	idle    *time.Timer
+	idleGen uint64
 }
 
 // Connection is one shared cluster connection, named without its secret.
@@ -120,6 +129,20 @@ func (c *Clusters) norm(o ceph.Options) ceph.Options {
 
 func NewClusters() *Clusters { return NewClustersWith(SessionHooks{}) }
 
+// NewClustersLinger is NewClusters keeping each connection for linger
+// after its last user let go. A connect is a monitor handshake, cephx
+// and a messenger's threads: 20-40 ms on a quiet host, against
+// microseconds for a call on a kept connection (TestLinger...), and
+// tens of times that in a loaded TCG VM. The CSI controller's calls
+// rarely overlap, so without a linger it connects once a call. The node
+// daemon does not linger: its connections live as long as its images,
+// and each is a session its successor must fence.
+func NewClustersLinger(linger time.Duration) *Clusters {
+	c := NewClusters()
+	c.linger = linger
+	return c
+}
+
 // NewClustersWith is NewClusters with hooks on each session.
 func NewClustersWith(h SessionHooks) *Clusters {
 	return &Clusters{conns: map[ceph.Options]*clusterRef{}, hooks: h}
@@ -145,6 +168,10 @@ func (c *Clusters) session(o ceph.Options) (*rados.Conn, <-chan struct{}, func()
 	ref, ok := c.conns[o]
 	if ok {
 		ref.refs++
+		if ref.idle != nil {
+			ref.idle.Stop()
+			ref.idle = nil
+		}
 		c.mu.Unlock()
 		<-ref.ready
 		if ref.err != nil {
@@ -228,21 +255,49 @@ func (c *Clusters) releaser(o ceph.Options, ref *clusterRef) func() {
 			c.mu.Lock()
 			ref.refs--
 			last := ref.refs == 0
+			if last && c.linger > 0 && c.conns[o] == ref {
+				ref.idleGen++
+				gen := ref.idleGen
+				ref.idle = time.AfterFunc(c.linger, func() { c.expire(o, ref, gen) })
+				c.mu.Unlock()
+				return
+			}
 			if last && c.conns[o] == ref {
 				delete(c.conns, o)
 			}
 			c.mu.Unlock()
 			if last {
-				var s Session
-				if c.hooks.Closed != nil {
-					s = sessionOf(ref.conn)
-				}
-				ref.conn.Shutdown()
-				if c.hooks.Closed != nil {
-					c.hooks.Closed(s)
-				}
+				c.shutdown(ref)
 			}
 		})
+	}
+}
+
+// expire shuts down a lingering connection once the timer of its
+// release gen ran out, unless a caller took it back meanwhile.
+func (c *Clusters) expire(o ceph.Options, ref *clusterRef, gen uint64) {
+	c.mu.Lock()
+	if ref.idle == nil || ref.idleGen != gen || ref.refs != 0 {
+		c.mu.Unlock()
+		return
+	}
+	ref.idle = nil
+	if c.conns[o] == ref {
+		delete(c.conns, o)
+	}
+	c.mu.Unlock()
+	c.shutdown(ref)
+}
+
+// shutdown ends a connection nobody holds, telling the Closed hook.
+func (c *Clusters) shutdown(ref *clusterRef) {
+	var s Session
+	if c.hooks.Closed != nil {
+		s = sessionOf(ref.conn)
+	}
+	ref.conn.Shutdown()
+	if c.hooks.Closed != nil {
+		c.hooks.Closed(s)
 	}
 }
 

@@ -111,6 +111,11 @@ StorageClass parameters and Secret keys are ceph-csi's.`,
 	return cmd
 }
 
+// imagesLinger is how long the plugin keeps a cluster connection after
+// its last call: a provisioning burst, or the controller's sweeps, then
+// connect once instead of once a call.
+const imagesLinger = 5 * time.Minute
+
 func runCSI(g *globalOpts, o csiOpts, version string) error {
 	if o.driverType != "rbd" {
 		return fmt.Errorf("--type %q: this driver serves rbd only", o.driverType)
@@ -166,7 +171,7 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 	}
 	// The node reads an encrypted volume's sealed key from its image's
 	// metadata; it opens a cluster connection only for those.
-	cfg.Images = rbdio.NewClusters()
+	cfg.Images = rbdio.NewClustersLinger(imagesLinger)
 	if o.node {
 		c := g.client(0, 0)
 		// Start the daemon now, not on the first request: after a
