@@ -43,7 +43,7 @@ APP=localhost/e2e-app:dev
 deploy() {
 	cluster || return
 	local keys t0
-	k8s_up "$images"/*.tar || { fail_check "the Kubernetes cluster did not come up"; return 1; }
+	k8s_up "$images" || { fail_check "the Kubernetes cluster did not come up"; return 1; }
 	# deploy/kubernetes as it is, but for this cluster's monitors: one
 	# patch of the ConfigMap, as a user would write it.
 	mkdir -p "$work/overlay"

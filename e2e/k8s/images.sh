@@ -4,7 +4,8 @@
 # bin/rbd-nbd-go), the CSI sidecars and the snapshot-controller under
 # their upstream names and the versions pinned in e2e/k8s/tools/go.mod
 # (built from the same sources), a pause image, and the test pods' image
-# (busybox and fio).
+# (busybox and fio). Then e2e/k8s/containerd-root.sh imports them all
+# into OUTDIR/containerd-root, which the VM's containerd starts from.
 #
 #   e2e/k8s/images.sh OUTDIR
 set -euo pipefail
@@ -62,3 +63,4 @@ if [ "${E2E_POPULATOR:-}" = 1 ]; then
 else
 	rm -f "$out/hello-populator.tar" # a conformance run's, not imported by others
 fi
+e2e/k8s/containerd-root.sh "$out"
