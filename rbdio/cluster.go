@@ -29,8 +29,9 @@ type Clusters struct {
 	conns map[ceph.Options]*clusterRef
 	hooks SessionHooks
 	// linger keeps a connection nobody holds open this long, for the
-	// next call to reuse (0: shut down at once). See NewClustersLinger.
-	linger time.Duration
+	// next call to reuse (0: shut down at once), if it is younger than
+	// maxAge. See NewClustersLinger.
+	linger, maxAge time.Duration
 }
 
 // SessionHooks are told of each RADOS session: Opened right after the
@@ -64,6 +65,7 @@ type clusterRef struct {
 	// an expiry from an earlier release, whose Stop came too late.
 	idle    *time.Timer
 	idleGen uint64
+	born    time.Time // when the connect began
 }
 
 // Connection is one shared cluster connection, named without its secret.
@@ -137,9 +139,14 @@ func NewClusters() *Clusters { return NewClustersWith(SessionHooks{}) }
 // rarely overlap, so without a linger it connects once a call. The node
 // daemon does not linger: its connections live as long as its images,
 // and each is a session its successor must fence.
-func NewClustersLinger(linger time.Duration) *Clusters {
+//
+// A kept session is not made again: a blocklist of it, or caps changed
+// on its key, last as long as it does. So a connection older than maxAge
+// shuts down at its next release instead of lingering, even when calls
+// keep coming (the controller's sweep runs every minute).
+func NewClustersLinger(linger, maxAge time.Duration) *Clusters {
 	c := NewClusters()
-	c.linger = linger
+	c.linger, c.maxAge = linger, maxAge
 	return c
 }
 
@@ -180,7 +187,7 @@ func (c *Clusters) session(o ceph.Options) (*rados.Conn, <-chan struct{}, func()
 		}
 		return ref.conn, ref.fenced, c.releaser(o, ref), nil
 	}
-	ref = &clusterRef{ready: make(chan struct{}), refs: 1}
+	ref = &clusterRef{ready: make(chan struct{}), refs: 1, born: time.Now()}
 	c.conns[o] = ref
 	c.mu.Unlock()
 	ref.conn, ref.err = connect(o)
@@ -255,7 +262,7 @@ func (c *Clusters) releaser(o ceph.Options, ref *clusterRef) func() {
 			c.mu.Lock()
 			ref.refs--
 			last := ref.refs == 0
-			if last && c.linger > 0 && c.conns[o] == ref {
+			if last && c.linger > 0 && c.conns[o] == ref && time.Since(ref.born) < c.maxAge {
 				ref.idleGen++
 				gen := ref.idleGen
 				ref.idle = time.AfterFunc(c.linger, func() { c.expire(o, ref, gen) })

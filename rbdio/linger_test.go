@@ -8,7 +8,8 @@ import (
 
 // TestLingerReusesTheConnection: with a linger, calls one after another
 // share one connection, which shuts down once nobody took it back for
-// the linger; without one, each call connects and shuts down.
+// the linger, or at its first release past its maximum age; without a
+// linger, each call connects and shuts down.
 func TestLingerReusesTheConnection(t *testing.T) {
 	needCluster(t)
 	var mu sync.Mutex
@@ -36,9 +37,10 @@ func TestLingerReusesTheConnection(t *testing.T) {
 	}
 
 	opened, closed = 0, 0
-	const linger = 300 * time.Millisecond
+	// Long enough that a loaded box's sleeps do not overrun it.
+	const linger = 2 * time.Second
 	warm := NewClustersWith(hooks)
-	warm.linger = linger
+	warm.linger, warm.maxAge = linger, time.Hour
 	pings(warm, 1)
 	perWarm := pings(warm, 3)
 	if o, c := counts(); o != 1 || c != 0 || len(warm.Connections()) != 1 {
@@ -68,5 +70,16 @@ func TestLingerReusesTheConnection(t *testing.T) {
 	pings(warm, 1)
 	if o, _ := counts(); o != 2 {
 		t.Fatalf("a call after the linger: %d connects, want 2", o)
+	}
+
+	// Past its maximum age a connection is not kept, however busy.
+	opened, closed = 0, 0
+	old := NewClustersWith(hooks)
+	old.linger, old.maxAge = time.Hour, 200*time.Millisecond
+	pings(old, 2)
+	time.Sleep(300 * time.Millisecond)
+	pings(old, 1)
+	if o, c := counts(); o != 1 || c != 1 || len(old.Connections()) != 0 {
+		t.Fatalf("past its maximum age: %d connects, %d shutdowns, %d open; want 1, 1, 0", o, c, len(old.Connections()))
 	}
 }

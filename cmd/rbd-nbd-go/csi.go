@@ -79,7 +79,7 @@ StorageClass parameters and Secret keys are ceph-csi's.`,
 	f.StringVar(&o.kmsConfig, "kms-config", csi.DefaultKMSConfig,
 		"ceph-csi's KMS config (the csi-kms-connection-details ConfigMap as a file): what encryptionKMSID names")
 	f.StringVar(&o.controllerSecretDir, "controller-secret-dir", "",
-		"directory with userID and userKey files (a mounted Secret): credentials for the calls that carry none (ListVolumes, GetCapacity, Probe)")
+		"directory with userID and userKey files (a mounted Secret): credentials for the calls that carry none (ListVolumes, GetCapacity, ControllerPublish)")
 	f.StringVar(&o.nodeRegistry, "node-registry", "",
 		"directory shared by controller and nodes: nodes register there, and ControllerPublish knows them besides the CSINodes (in Kubernetes) and its own node")
 	f.StringVar(&o.registrationPath, "kubelet-registration-path", "",
@@ -113,8 +113,12 @@ StorageClass parameters and Secret keys are ceph-csi's.`,
 
 // imagesLinger is how long the plugin keeps a cluster connection after
 // its last call: a provisioning burst, or the controller's sweeps, then
-// connect once instead of once a call.
-const imagesLinger = 5 * time.Minute
+// connect once instead of once a call. imagesMaxAge bounds how long one
+// session is reused: a blocklist of it heals within that.
+const (
+	imagesLinger = 5 * time.Minute
+	imagesMaxAge = 15 * time.Minute
+)
 
 func runCSI(g *globalOpts, o csiOpts, version string) error {
 	if o.driverType != "rbd" {
@@ -171,7 +175,7 @@ func runCSI(g *globalOpts, o csiOpts, version string) error {
 	}
 	// The node reads an encrypted volume's sealed key from its image's
 	// metadata; it opens a cluster connection only for those.
-	cfg.Images = rbdio.NewClustersLinger(imagesLinger)
+	cfg.Images = rbdio.NewClustersLinger(imagesLinger, imagesMaxAge)
 	if o.node {
 		c := g.client(0, 0)
 		// Start the daemon now, not on the first request: after a
