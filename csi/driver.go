@@ -131,7 +131,7 @@ type Config struct {
 	NBDResends bool
 	// ControllerSecretDir, if set, holds userID and userKey files (a
 	// mounted Secret, ceph-csi's key names): the credentials for the
-	// calls that carry none (ListVolumes, GetCapacity, Probe,
+	// calls that carry none (ListVolumes, GetCapacity,
 	// ControllerPublish), from the start.
 	ControllerSecretDir string
 	// SlowCall: calls taking longer are logged as slow (default 10s).
