@@ -24,7 +24,8 @@ elif [ $# -gt 0 ]; then
 	echo "usage: build-tools.sh [populator]" >&2
 	exit 2
 fi
-hash=$(cat "$tools/go.mod" "$tools/go.sum" | sha256sum | cut -c1-16)
+# The storage suite's own source too (a directory only tools/ has).
+hash=$(cat "$tools/go.mod" "$tools/go.sum" "$tools"/storage-e2e/*.go 2>/dev/null | sha256sum | cut -c1-16)
 out=${K8S_TOOLS_CACHE:-/var/cache/rbd-nbd-go-k8s}/$prefix$hash
 if [ -f "$out/.done" ]; then
 	echo "$out"

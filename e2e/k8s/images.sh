@@ -1,5 +1,5 @@
 #!/bin/bash
-# The images e2e-k8s imports into the VM's containerd, as docker-archive
+# The images e2e-k8s gives the VM's containerd, as docker-archive
 # tarballs in OUTDIR: the driver (deploy/image/build-local.sh, from
 # bin/rbd-nbd-go), the CSI sidecars and the snapshot-controller under
 # their upstream names and the versions pinned in e2e/k8s/tools/go.mod
