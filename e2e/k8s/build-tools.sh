@@ -25,7 +25,9 @@ elif [ $# -gt 0 ]; then
 	exit 2
 fi
 # The storage suite's own source too (a directory only tools/ has).
-hash=$(cat "$tools/go.mod" "$tools/go.sum" "$tools"/storage-e2e/*.go 2>/dev/null | sha256sum | cut -c1-16)
+src=("$tools/go.mod" "$tools/go.sum")
+[ -d "$tools/storage-e2e" ] && src+=("$tools"/storage-e2e/*.go)
+hash=$(cat "${src[@]}" | sha256sum | cut -c1-16)
 out=${K8S_TOOLS_CACHE:-/var/cache/rbd-nbd-go-k8s}/$prefix$hash
 if [ -f "$out/.done" ]; then
 	echo "$out"
