@@ -2,8 +2,6 @@ package csi
 
 import (
 	"context"
-	"os"
-	"path/filepath"
 	"testing"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -47,12 +45,8 @@ func TestListVolumesAndCapacity(t *testing.T) {
 	_, err = r.d.GetCapacity(ctx, &csi.GetCapacityRequest{Parameters: map[string]string{"clusterID": "ns"}})
 	wantCode(t, "no credentials yet", err, codes.Unavailable)
 	// A restarted controller with its own Secret lists at once.
-	sec := filepath.Join(r.dir, "secret")
-	os.MkdirAll(sec, 0o700)
-	os.WriteFile(filepath.Join(sec, "userID"), []byte("csi\n"), 0o600)
-	os.WriteFile(filepath.Join(sec, "userKey"), []byte("AQDkey\n"), 0o600)
 	cfg := r.d.cfg
-	cfg.ControllerSecretDir = sec
+	cfg.ControllerSecretDir = controllerSecret(r.dir, "csi", "AQDkey")
 	d2, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)

@@ -333,6 +333,16 @@ type rig struct {
 
 var goodSecrets = map[string]string{"userID": "csi", "userKey": "AQDkey"}
 
+// controllerSecret writes a mounted Secret's userID and userKey files
+// (--controller-secret-dir) under dir and returns their directory.
+func controllerSecret(dir, id, key string) string {
+	sec := filepath.Join(dir, "secret")
+	os.MkdirAll(sec, 0o700)
+	os.WriteFile(filepath.Join(sec, "userID"), []byte(id+"\n"), 0o600)
+	os.WriteFile(filepath.Join(sec, "userKey"), []byte(key+"\n"), 0o600)
+	return sec
+}
+
 func newRig(t *testing.T) *rig { t.Helper(); return newRigWith(t, nil) }
 
 // newRigWith lets a test change the driver's config first.

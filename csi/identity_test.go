@@ -3,7 +3,6 @@ package csi
 import (
 	"context"
 	"os"
-	"path/filepath"
 	"testing"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -15,11 +14,7 @@ import (
 // which every image call would refuse) leaves it ready; a clusters config
 // that does not read makes it fail, naming why.
 func TestControllerProbeDoesNotAskCeph(t *testing.T) {
-	dir := t.TempDir()
-	sec := filepath.Join(dir, "secret")
-	os.MkdirAll(sec, 0o700)
-	os.WriteFile(filepath.Join(sec, "userID"), []byte("csi\n"), 0o600)
-	os.WriteFile(filepath.Join(sec, "userKey"), []byte("AQDwrongkey\n"), 0o600)
+	sec := controllerSecret(t.TempDir(), "csi", "AQDwrongkey")
 	r := newRigWith(t, func(c *Config) { c.Node = false; c.ControllerSecretDir = sec })
 	ctx := context.Background()
 	if r.images.goodKey == "AQDwrongkey" {
