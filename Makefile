@@ -7,7 +7,7 @@ GO      ?= go
 BIN     := bin/rbd-nbd-go
 GOFILES := $(shell find . -name '*.go' -not -path './bin/*')
 
-.PHONY: all deps build test unit interop lint fuzz bench bench-vm bench-vm-scale bench-vm-csi e2e e2e-csi e2e-k8s e2e-k8s-conformance soak run clean
+.PHONY: all deps build test unit interop lint fuzz bench bench-vm bench-vm-scale bench-vm-csi bench-vm-restart e2e e2e-csi e2e-k8s e2e-k8s-conformance soak run clean
 
 all: build
 
@@ -147,6 +147,7 @@ bench-vm: deps build
 	scripts/vm/vm.sh --mem 10G --timeout 3000 --share $(CURDIR)/bench/results/vm -- e2e/bench.sh $(CURDIR)/bench/results/vm
 	$(MAKE) --no-print-directory bench-vm-scale
 	$(MAKE) --no-print-directory bench-vm-csi
+	$(MAKE) --no-print-directory bench-vm-restart
 
 # CSI step times beside ceph-csi's, inside the VM: NodeStage/NodeUnstage
 # against the commands ceph-csi's nbd mounter runs (Ceph's rbd-nbd, blkid,
@@ -164,6 +165,15 @@ bench-vm-csi: deps build bin/csi-conformance.test
 bench-vm-scale: deps build
 	mkdir -p bench/results/vm-scale
 	scripts/vm/vm.sh --mem 6G --timeout 3000 --share $(CURDIR)/bench/results/vm-scale -- e2e/scale.sh $(CURDIR)/bench/results/vm-scale
+
+# What an upgrade (the daemon handover) and a kill -9 of the node daemon
+# cost I/O inside the VM, beside rounds with no event (the floor, in the
+# same run) and beside Ceph's rbd-nbd restarted as ceph-csi restarts it:
+# eight devices under light steady fio verify, rounds interleaved (table
+# in bench/results/restart/restart.md; e2e/restart.sh says how).
+bench-vm-restart: deps build
+	mkdir -p bench/results/restart
+	scripts/vm/vm.sh --mem 4G --timeout 2400 --share $(CURDIR)/bench/results/restart -- e2e/restart.sh $(CURDIR)/bench/results/restart
 
 # Serve a file-backed export on a unix socket and show it working.
 run: deps build
