@@ -176,7 +176,7 @@ func (c *Client) Call(ctx context.Context, req Request, start bool) (Response, e
 	if !start && !hasRecords(c.StateDir) {
 		return resp, ErrNoDaemon
 	}
-	if err := c.start(ctx, false); err != nil {
+	if _, err := c.start(ctx, false); err != nil {
 		return resp, err
 	}
 	return c.call(ctx, req)

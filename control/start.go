@@ -36,9 +36,16 @@ type StartOptions struct {
 // dies with it. Without a running daemon it is EnsureRunning. If the
 // running one refuses (or predates handovers), it serves on and is used.
 func (c *Client) TakeOver(ctx context.Context) error {
+	_, err := c.takeOver(ctx)
+	return err
+}
+
+// takeOver is TakeOver; exited is closed once the daemon it started
+// exits (nil if the daemon serving is not the one it started).
+func (c *Client) takeOver(ctx context.Context) (exited <-chan struct{}, err error) {
 	if err := c.Ping(ctx); err != nil {
 		if !absent(err) {
-			return err
+			return nil, err
 		}
 		return c.start(ctx, false)
 	}
@@ -62,9 +69,15 @@ const readyWait = 3 * time.Minute
 // restarted plugin's devices get their server back before the kernel's
 // dead-connection timeout, without waiting for a first request.
 func (c *Client) EnsureRunning(ctx context.Context) error {
-	err := c.Ping(ctx)
+	_, err := c.ensureRunning(ctx)
+	return err
+}
+
+// ensureRunning is EnsureRunning; exited as takeOver's.
+func (c *Client) ensureRunning(ctx context.Context) (exited <-chan struct{}, err error) {
+	err = c.Ping(ctx)
 	if err == nil || !absent(err) {
-		return err
+		return nil, err
 	}
 	return c.start(ctx, false)
 }
@@ -77,6 +90,12 @@ type PluginDaemon struct {
 	c    *Client
 	mine atomic.Value // string: the instance this plugin started
 	pid  atomic.Int64 // and its pid
+	// exited is closed when the daemon this plugin started exits (nil
+	// if the one serving is not its child), and started is when that
+	// start was. Start and Supervise only, which run one after the
+	// other.
+	exited  <-chan struct{}
+	started time.Time
 }
 
 // NewPluginDaemon is the plugin's hold on c's daemon, before Start.
@@ -88,9 +107,10 @@ func (c *Client) NewPluginDaemon() *PluginDaemon {
 
 // Start is TakeOver, remembering which daemon is the plugin's.
 func (p *PluginDaemon) Start(ctx context.Context) error {
-	err := p.c.TakeOver(ctx)
+	exited, err := p.c.takeOver(ctx)
 	if err == nil {
 		p.remember(ctx)
+		p.exited, p.started = exited, time.Now()
 	}
 	return err
 }
@@ -106,6 +126,10 @@ func (p *PluginDaemon) remember(ctx context.Context) {
 // a crash), checking every interval until ctx ends: its devices' I/O
 // waits for it meanwhile. A daemon started on demand would come only with
 // the next request, and the kernel fails I/O after the reattach timeout.
+// The plugin's own child is checked the moment it exits, not at the next
+// tick (a kill -9's stall would wait half an interval on average), unless
+// it had served for less than an interval: a daemon that dies at once
+// keeps to the interval and its backoff.
 // A daemon that will not start (no NBD in this kernel) is tried again
 // after a wait that doubles up to maxRestartWait, so a plugin on a node
 // that cannot serve does not spawn a process a second. log hears of each
@@ -119,6 +143,12 @@ func (p *PluginDaemon) Supervise(ctx context.Context, interval time.Duration, lo
 		case <-ctx.Done():
 			return
 		case <-t.C:
+		case <-p.exited:
+			p.exited = nil
+			if time.Since(p.started) < interval {
+				continue // the timer is still set
+			}
+			t.Stop()
 		}
 		err := p.c.Ping(ctx)
 		if err == nil || !absent(err) {
@@ -126,9 +156,10 @@ func (p *PluginDaemon) Supervise(ctx context.Context, interval time.Duration, lo
 			t.Reset(wait)
 			continue
 		}
-		err = p.c.EnsureRunning(ctx)
+		exited, err := p.c.ensureRunning(ctx)
 		if err == nil {
 			p.remember(ctx)
+			p.exited, p.started = exited, time.Now()
 			wait = interval
 		} else {
 			wait = min(2*wait, max(interval, maxRestartWait))
@@ -176,27 +207,28 @@ func waitGone(ctx context.Context, pid int) {
 	}
 }
 
-// start runs the daemon and waits until it serves (or says why not).
-func (cl *Client) start(ctx context.Context, takeOver bool) error {
+// start runs the daemon and waits until it serves (or says why not);
+// exited is closed once the daemon it ran exits, if that one serves.
+func (cl *Client) start(ctx context.Context, takeOver bool) (exited <-chan struct{}, err error) {
 	o, stateDir := cl.Start, cl.StateDir
 	if err := os.MkdirAll(stateDir, 0o700); err != nil {
-		return err
+		return nil, err
 	}
 	exe := o.Exe
 	if exe == "" {
 		var err error
 		if exe, err = os.Executable(); err != nil {
-			return err
+			return nil, err
 		}
 	}
 	logf, err := os.OpenFile(LogPath(stateDir), os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o600)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	defer logf.Close()
 	pr, pw, err := os.Pipe()
 	if err != nil {
-		return err
+		return nil, err
 	}
 	defer pr.Close()
 	level := o.LogLevel
@@ -216,7 +248,7 @@ func (cl *Client) start(ctx context.Context, takeOver bool) error {
 	err = startFlusher(cmd)
 	pw.Close()
 	if err != nil {
-		return fmt.Errorf("start daemon: %w", err)
+		return nil, fmt.Errorf("start daemon: %w", err)
 	}
 	waited := make(chan struct{})
 	go func() { cmd.Wait(); close(waited) }()
@@ -228,7 +260,7 @@ func (cl *Client) start(ctx context.Context, takeOver bool) error {
 	line, _ := bufio.NewReader(pr).ReadString('\n')
 	switch line = strings.TrimSpace(line); line {
 	case ReadyOK:
-		return nil
+		return waited, nil
 	case ReadyRunning:
 		// Lost a start race: the winner may still be restoring. Or the
 		// daemon we were to take over from died meanwhile: then nobody
@@ -237,16 +269,16 @@ func (cl *Client) start(ctx context.Context, takeOver bool) error {
 		if errors.Is(err, errNoHolder) {
 			return cl.start(ctx, false)
 		}
-		return err
+		return nil, err
 	case "":
 		select {
 		case <-waited:
-			return fmt.Errorf("the rbd-nbd-go daemon exited at start (see %s)", LogPath(stateDir))
+			return nil, fmt.Errorf("the rbd-nbd-go daemon exited at start (see %s)", LogPath(stateDir))
 		default:
-			return fmt.Errorf("the rbd-nbd-go daemon did not get ready (see %s)", LogPath(stateDir))
+			return nil, fmt.Errorf("the rbd-nbd-go daemon did not get ready (see %s)", LogPath(stateDir))
 		}
 	}
-	return errors.New(line)
+	return nil, errors.New(line)
 }
 
 // errNoHolder: no daemon holds the state directory's lock.

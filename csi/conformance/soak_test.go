@@ -299,7 +299,7 @@ func (s *soak) inject(kind string) (time.Duration, string, error) {
 	case fDaemonKill:
 		old := s.p.daemonPID()
 		syscall.Kill(old, syscall.SIGKILL)
-		// The plugin's supervisor starts another within a second.
+		// The plugin's supervisor starts another as soon as its child exits.
 		err := s.devicesBack(func() bool { d := s.p.daemonPID(); return d != old && d > 0 && syscall.Kill(d, 0) == nil })
 		return time.Since(t0), "", err
 	case fPodKill, fStop:
