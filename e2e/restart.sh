@@ -18,9 +18,10 @@
 #   handover  a new daemon started with --take-over (what the CSI node
 #             plugin of an upgrade's new pod starts): the old one pauses,
 #             hands its sockets over and exits
-#   kill      kill -9 of the daemon; 1 s later (the plugin's supervisor
-#             pings every second) ceph-csi's attach of one device starts
-#             a daemon, which takes every device back
+#   kill      kill -9 of the daemon; once it is gone (the CSI plugin's
+#             supervisor starts its child again the moment it exits)
+#             ceph-csi's attach of one device starts a daemon, which
+#             takes every device back
 #   ceph-kill, ceph-term  Ceph's rbd-nbd, mapped with ceph-csi's options:
 #             kill -9 (or SIGTERM) of every rbd-nbd, and 1 s later
 #             ceph-csi's attach of each device with its cookie
@@ -82,7 +83,7 @@ ours_round() { # ours_round KIND ROUND
 		detail="sockets unread $(logged reads_paused_for "$from")" ;;
 	kill)
 		kill -9 "$old"
-		sleep 1
+		while kill -0 "$old" 2>/dev/null; do sleep 0.05; done
 		csi_attach rbd/r0 "${devs[0]}" r0-cookie || { log "FAIL attach after the kill"; bad=1; }
 		detail="every device served $(( ($(date +%s%N) - t0) / 1000000 )) ms after the kill" ;;
 	esac
