@@ -40,9 +40,9 @@ func (c *Client) TakeOver(ctx context.Context) error {
 	return err
 }
 
-// takeOver is TakeOver; exited is closed once the daemon it started
-// exits (nil if the daemon serving is not the one it started).
-func (c *Client) takeOver(ctx context.Context) (exited <-chan struct{}, err error) {
+// takeOver is TakeOver; crashed is closed if the daemon it started dies
+// (nil if the daemon serving is not the one it started): see start.
+func (c *Client) takeOver(ctx context.Context) (crashed <-chan struct{}, err error) {
 	if err := c.Ping(ctx); err != nil {
 		if !absent(err) {
 			return nil, err
@@ -73,8 +73,8 @@ func (c *Client) EnsureRunning(ctx context.Context) error {
 	return err
 }
 
-// ensureRunning is EnsureRunning; exited as takeOver's.
-func (c *Client) ensureRunning(ctx context.Context) (exited <-chan struct{}, err error) {
+// ensureRunning is EnsureRunning; crashed as takeOver's.
+func (c *Client) ensureRunning(ctx context.Context) (crashed <-chan struct{}, err error) {
 	err = c.Ping(ctx)
 	if err == nil || !absent(err) {
 		return nil, err
@@ -90,11 +90,11 @@ type PluginDaemon struct {
 	c    *Client
 	mine atomic.Value // string: the instance this plugin started
 	pid  atomic.Int64 // and its pid
-	// exited is closed when the daemon this plugin started exits (nil
+	// crashed is closed when the daemon this plugin started dies (nil
 	// if the one serving is not its child), and started is when that
 	// start was. Start and Supervise only, which run one after the
 	// other.
-	exited  <-chan struct{}
+	crashed <-chan struct{}
 	started time.Time
 }
 
@@ -107,10 +107,10 @@ func (c *Client) NewPluginDaemon() *PluginDaemon {
 
 // Start is TakeOver, remembering which daemon is the plugin's.
 func (p *PluginDaemon) Start(ctx context.Context) error {
-	exited, err := p.c.takeOver(ctx)
+	crashed, err := p.c.takeOver(ctx)
 	if err == nil {
 		p.remember(ctx)
-		p.exited, p.started = exited, time.Now()
+		p.crashed, p.started = crashed, time.Now()
 	}
 	return err
 }
@@ -126,10 +126,13 @@ func (p *PluginDaemon) remember(ctx context.Context) {
 // a crash), checking every interval until ctx ends: its devices' I/O
 // waits for it meanwhile. A daemon started on demand would come only with
 // the next request, and the kernel fails I/O after the reattach timeout.
-// The plugin's own child is checked the moment it exits, not at the next
-// tick (a kill -9's stall would wait half an interval on average), unless
-// it had served for less than an interval: a daemon that dies at once
-// keeps to the interval and its backoff.
+// The plugin's own child is checked the moment it dies (a signal, a
+// non-zero exit), not at the next tick: a kill -9's stall would wait half
+// an interval on average. Not if it had served for less than an interval
+// (a daemon that dies at once keeps to the interval and its backoff), nor
+// after a clean exit: a daemon that handed its devices over exits 0, and
+// if that handover broke off the new daemon must find the state directory
+// free, not taken by one this plugin started in a hurry.
 // A daemon that will not start (no NBD in this kernel) is tried again
 // after a wait that doubles up to maxRestartWait, so a plugin on a node
 // that cannot serve does not spawn a process a second. log hears of each
@@ -143,8 +146,8 @@ func (p *PluginDaemon) Supervise(ctx context.Context, interval time.Duration, lo
 		case <-ctx.Done():
 			return
 		case <-t.C:
-		case <-p.exited:
-			p.exited = nil
+		case <-p.crashed:
+			p.crashed = nil
 			if time.Since(p.started) < interval {
 				continue // the timer is still set
 			}
@@ -156,10 +159,13 @@ func (p *PluginDaemon) Supervise(ctx context.Context, interval time.Duration, lo
 			t.Reset(wait)
 			continue
 		}
-		exited, err := p.c.ensureRunning(ctx)
+		// Gone: its crash, if the tick came first, is no second reason to
+		// start one (a failed start keeps its backoff).
+		p.crashed = nil
+		crashed, err := p.c.ensureRunning(ctx)
 		if err == nil {
 			p.remember(ctx)
-			p.exited, p.started = exited, time.Now()
+			p.crashed, p.started = crashed, time.Now()
 			wait = interval
 		} else {
 			wait = min(2*wait, max(interval, maxRestartWait))
@@ -208,8 +214,10 @@ func waitGone(ctx context.Context, pid int) {
 }
 
 // start runs the daemon and waits until it serves (or says why not);
-// exited is closed once the daemon it ran exits, if that one serves.
-func (cl *Client) start(ctx context.Context, takeOver bool) (exited <-chan struct{}, err error) {
+// crashed is closed if the daemon it ran, once serving, dies by a signal
+// or exits non-zero. A clean exit (a SIGTERM, or devices handed to a
+// newer daemon) never closes it.
+func (cl *Client) start(ctx context.Context, takeOver bool) (crashed <-chan struct{}, err error) {
 	o, stateDir := cl.Start, cl.StateDir
 	if err := os.MkdirAll(stateDir, 0o700); err != nil {
 		return nil, err
@@ -250,8 +258,13 @@ func (cl *Client) start(ctx context.Context, takeOver bool) (exited <-chan struc
 	if err != nil {
 		return nil, fmt.Errorf("start daemon: %w", err)
 	}
-	waited := make(chan struct{})
-	go func() { cmd.Wait(); close(waited) }()
+	waited, died := make(chan struct{}), make(chan struct{})
+	go func() {
+		if cmd.Wait() != nil {
+			close(died)
+		}
+		close(waited)
+	}()
 	deadline := time.Now().Add(readyWait)
 	if dl, ok := ctx.Deadline(); ok && dl.Before(deadline) {
 		deadline = dl
@@ -260,7 +273,7 @@ func (cl *Client) start(ctx context.Context, takeOver bool) (exited <-chan struc
 	line, _ := bufio.NewReader(pr).ReadString('\n')
 	switch line = strings.TrimSpace(line); line {
 	case ReadyOK:
-		return waited, nil
+		return died, nil
 	case ReadyRunning:
 		// Lost a start race: the winner may still be restoring. Or the
 		// daemon we were to take over from died meanwhile: then nobody
