@@ -11,9 +11,11 @@
 #   leaves out Ceph's rbd-nbd (one round each, a minute apiece))
 # Every round: each device mapped as the CSI driver maps it (one
 # connection, NBD timeout 0, 3 s resend interval) takes fio 4k randwrite
-# at QD4, 50 IOPS, with crc32c verify; the event comes 8 s in. A round's
-# stall is the slowest write of any device (fio's maximum completion
-# latency). Events:
+# at QD4, 50 IOPS, each block read back and checked (crc32c) 16 writes
+# later (--verify_backlog: a time-based run has no verify phase after
+# it); the event comes 8 s in. A round's stall is the slowest write of
+# any device (fio's maximum total latency, submission to completion).
+# Events:
 #   none      nothing: the floor
 #   handover  a new daemon started with --take-over (what the CSI node
 #             plugin of an upgrade's new pod starts): the old one pauses,
@@ -42,7 +44,8 @@ load() {
 	local secs=$1 i=0 d; shift
 	fios=()
 	for d in "$@"; do
-		fio_run "$work/fio-$i.out" "$d" 32M --iodepth=4 --rate_iops=50 --time_based --runtime="$secs" &
+		fio_run "$work/fio-$i.out" "$d" 32M --iodepth=4 --rate_iops=50 --verify_backlog=16 \
+			--time_based --runtime="$secs" &
 		fios+=($!)
 		i=$((i + 1))
 	done
@@ -61,6 +64,17 @@ settle() {
 	log "$1 round $2: slowest write $worst ms $3"
 }
 daemon_log=/run/rbd-nbd-go/daemon.log
+# gone PID...: waits up to 60 s for every PID to exit; false if one did not.
+gone() {
+	local i p alive
+	for i in $(seq 600); do
+		alive=0
+		for p in "$@"; do kill -0 "$p" 2>/dev/null && alive=1; done
+		[ $alive = 0 ] && return 0
+		sleep 0.1
+	done
+	return 1
+}
 # logged KEY FROM: KEY's value in the daemon log's lines after line FROM.
 logged() { tail -n +$(($2 + 1)) "$daemon_log" | grep -o "$1=[^ ]*" | tail -1 | cut -d= -f2; }
 
@@ -79,11 +93,16 @@ ours_round() { # ours_round KIND ROUND
 	case $1 in
 	handover)
 		setsid "$B" daemon --state-dir /run/rbd-nbd-go --take-over >>"$daemon_log" 2>&1 </dev/null &
-		while kill -0 "$old" 2>/dev/null; do sleep 0.1; done
+		local new=$!
+		# The old one exits once it handed over; one that refused
+		# serves on, and the new one then gives up.
+		local i
+		for i in $(seq 600); do kill -0 "$old" 2>/dev/null && kill -0 "$new" 2>/dev/null || break; sleep 0.1; done
+		kill -0 "$old" 2>/dev/null && { log "FAIL $1 round $2: no handover"; tail -5 "$daemon_log"; bad=1; }
 		detail="sockets unread $(logged reads_paused_for "$from")" ;;
 	kill)
 		kill -9 "$old"
-		while kill -0 "$old" 2>/dev/null; do sleep 0.05; done
+		gone "$old" || { log "FAIL $1 round $2: pid $old outlived kill -9"; bad=1; }
 		csi_attach rbd/r0 "${devs[0]}" r0-cookie || { log "FAIL attach after the kill"; bad=1; }
 		detail="every device served $(( ($(date +%s%N) - t0) / 1000000 )) ms after the kill" ;;
 	esac
@@ -105,7 +124,7 @@ if [ "${BENCH_RESTART_PEER:-1}" != 0 ]; then
 		t0=$(date +%s%N)
 		sig=-9; [ $kind = ceph-term ] && sig=-15
 		pkill $sig -x rbd-nbd
-		while pgrep -x rbd-nbd >/dev/null; do sleep 0.1; done
+		gone $(pgrep -x rbd-nbd) || { log "FAIL $kind: rbd-nbd still runs a minute after the signal"; bad=1; }
 		sleep 1
 		# All at once, as ceph-csi's volume healer starts them.
 		attaches=()

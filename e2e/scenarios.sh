@@ -125,7 +125,9 @@ resend_after_kill() { # scenario e's second half: one connection, io-timeout 0, 
 	check "map, one connection, resend-interval 3" eval 'dev=$(csi_map rbd/vol-e3 vol-e3-cookie --connections 1 --resend-interval 3) && [ -b "$dev" ]'
 	check "the queue's request timer is 3 s" eval '[ "$(cat /sys/block/${dev#/dev/}/queue/io_timeout)" = 3000 ]'
 	dmesg -C
-	fio_run "$work/fio-e3.out" "$dev" 32M --iodepth=16 --time_based --runtime=30 &
+	# Time-based: no verify phase after the writes, so each block is read
+	# back and checked 16 writes after it was written.
+	fio_run "$work/fio-e3.out" "$dev" 32M --iodepth=16 --verify_backlog=16 --time_based --runtime=30 &
 	local fiopid=$!
 	sleep 5
 	pid=$(cat /run/rbd-nbd-go/daemon.lock)
