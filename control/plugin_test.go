@@ -22,18 +22,22 @@ func fakeDaemon(t *testing.T, dir string, instance *atomic.Value) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { l.Close() })
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			var req Request
-			json.NewDecoder(c).Decode(&req)
-			json.NewEncoder(c).Encode(Response{Instance: instance.Load().(string)})
-			c.Close()
+	go servePings(l, 0, func() string { return instance.Load().(string) })
+}
+
+// servePings answers every request on l as a daemon with this pid and
+// instance word would, until l fails.
+func servePings(l net.Listener, pid int, instance func() string) error {
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			return err
 		}
-	}()
+		var req Request
+		json.NewDecoder(c).Decode(&req)
+		json.NewEncoder(c).Encode(Response{PID: pid, Instance: instance()})
+		c.Close()
+	}
 }
 
 // TestReleaseWaitsForTakeOver: a stopping plugin keeps its daemon until

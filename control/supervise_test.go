@@ -2,7 +2,6 @@ package control
 
 import (
 	"context"
-	"encoding/json"
 	"net"
 	"os"
 	"os/signal"
@@ -50,16 +49,8 @@ func runFakeDaemon(dir string) {
 	}
 	os.NewFile(3, "ready").WriteString(ReadyOK + "\n")
 	inst := strconv.Itoa(os.Getpid())
-	for {
-		c, err := l.Accept()
-		if err != nil {
-			os.Exit(1)
-		}
-		var req Request
-		json.NewDecoder(c).Decode(&req)
-		json.NewEncoder(c).Encode(Response{PID: os.Getpid(), Instance: inst})
-		c.Close()
-	}
+	servePings(l, os.Getpid(), func() string { return inst })
+	os.Exit(1)
 }
 
 // TestSuperviseRestartsItsChildAtOnce: the plugin's own daemon, killed,
