@@ -84,7 +84,7 @@ func (m *Manager) Attach(rec control.Record) (control.Record, error) {
 	// With NBD's own timeout off, the kernel never gives up on a request
 	// nobody answers, nor shuts its socket: it sends again what the dead
 	// server had read when the request's timer next fires after the
-	// socket was replaced (every resend interval: 3 s for CSI maps). So
+	// socket was replaced (every resend interval: 2 s for CSI maps). So
 	// the new sockets go to the kernel first, and that wait runs while
 	// the image opens (Deferred), is fenced and locked, instead of after.
 	// Not one request is read before Activate, so nothing reaches the

@@ -17,10 +17,10 @@ func TestMapOptions(t *testing.T) {
 		t.Fatalf("CSI defaults %+v", def)
 	}
 	// One connection where the kernel resends: no NBD timeout, the
-	// block layer's timer at 3 s; ceph-csi's connections=N or an
+	// block layer's timer at 2 s; ceph-csi's connections=N or an
 	// io-timeout turn that back into the 8 s timer's mode, with no error.
 	one := csiMapDefaults(1, true)
-	if one.Connections != 1 || one.IOTimeout != 0 || one.ResendInterval != 3*time.Second {
+	if one.Connections != 1 || one.IOTimeout != 0 || one.ResendInterval != 2*time.Second {
 		t.Fatalf("CSI defaults, one connection %+v", one)
 	}
 	if old := csiMapDefaults(1, false); old.IOTimeout != 8*time.Second || old.ResendInterval != 0 {

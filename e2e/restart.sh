@@ -10,7 +10,7 @@
 #   BENCH_RESTART_ROUNDS rounds of each of ours (5), BENCH_RESTART_PEER=0
 #   leaves out Ceph's rbd-nbd (one round each, a minute apiece))
 # Every round: each device mapped as the CSI driver maps it (one
-# connection, NBD timeout 0, 3 s resend interval) takes fio 4k randwrite
+# connection, NBD timeout 0, 2 s resend interval) takes fio 4k randwrite
 # at QD4, 50 IOPS, each block read back and checked (crc32c) 16 writes
 # later (--verify_backlog: a time-based run has no verify phase after
 # it); the event comes 8 s in. A round's stall is the slowest write of
@@ -81,7 +81,7 @@ logged() { tail -n +$(($2 + 1)) "$daemon_log" | grep -o "$1=[^ ]*" | tail -1 | c
 devs=() cookies=()
 for i in $(seq 0 $((n - 1))); do
 	rbd create --size 256M "rbd/r$i" || exit 1
-	d=$(csi_map "rbd/r$i" "r$i-cookie" --connections 1 --resend-interval 3) || { log "FAIL map r$i"; exit 1; }
+	d=$(csi_map "rbd/r$i" "r$i-cookie" --connections 1 --resend-interval 2) || { log "FAIL map r$i"; exit 1; }
 	devs+=("$d")
 done
 ours_round() { # ours_round KIND ROUND

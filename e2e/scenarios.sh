@@ -114,16 +114,16 @@ scenario_e() { # kill -9 the daemon mid-fio; ceph-csi's attach; no errors; then 
 	resend_after_kill
 }
 
-resend_after_kill() { # scenario e's second half: one connection, io-timeout 0, resend-interval 3
+resend_after_kill() { # scenario e's second half: one connection, io-timeout 0, resend-interval 2
 	# What a kill -9 had in flight is sent again once the new daemon has
-	# replaced the socket, at the block layer's next 3 s tick: the kernel
+	# replaced the socket, at the block layer's next 2 s tick: the kernel
 	# logs "Possible stuck request" (NBD's timeout is 0) and never "timed
 	# out" (no retry of a live socket's request). At the kernel's 30 s it
 	# would stall 30 s; the bound is loose, the mechanism is what is checked.
 	rbd create --size 256M rbd/vol-e3
 	local dev pid
-	check "map, one connection, resend-interval 3" eval 'dev=$(csi_map rbd/vol-e3 vol-e3-cookie --connections 1 --resend-interval 3) && [ -b "$dev" ]'
-	check "the queue's request timer is 3 s" eval '[ "$(cat /sys/block/${dev#/dev/}/queue/io_timeout)" = 3000 ]'
+	check "map, one connection, resend-interval 2" eval 'dev=$(csi_map rbd/vol-e3 vol-e3-cookie --connections 1 --resend-interval 2) && [ -b "$dev" ]'
+	check "the queue's request timer is 2 s" eval '[ "$(cat /sys/block/${dev#/dev/}/queue/io_timeout)" = 2000 ]'
 	dmesg -C
 	# Time-based: no verify phase after the writes, so each block is read
 	# back and checked 16 writes after it was written.
